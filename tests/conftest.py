@@ -1,0 +1,66 @@
+"""Shared test helpers: an isolated, offline environment and a launcher for real training runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "train.py"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_env(tmp_path_factory):
+    """No network, and one token cache shared by the whole session (tokenizing is the slow part)."""
+    cache = tmp_path_factory.mktemp("titanlite_cache")
+    hf = tmp_path_factory.mktemp("hf_home")
+    saved = dict(os.environ)
+    os.environ.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(hf),
+        TITANLITE_CACHE=str(cache),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def run_train(args, nproc=1, env=None, timeout=600, check=True, nnodes_args=None):
+    """Run train.py as a user would: plain python for one process, torchrun (gloo) for more.
+
+    Returns the CompletedProcess; with check=True a non-zero exit fails the test and shows the output.
+    """
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    if nproc == 1 and nnodes_args is None:
+        cmd = [sys.executable, str(TRAIN), *args]
+    else:
+        launch = nnodes_args or ["--standalone"]
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", *launch,
+            f"--nproc_per_node={nproc}", str(TRAIN), *args,
+        ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def read_jsonl(path):
+    """The metrics a run wrote, one dict per logged step."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def train_runner():
+    return run_train
