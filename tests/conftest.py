@@ -33,7 +33,7 @@ def offline_env(tmp_path_factory):
 def run_train(args, nproc=1, env=None, timeout=600, check=True, nnodes_args=None):
     """Run train.py as a user would: plain python for one process, torchrun (gloo) for more.
 
-    Returns the CompletedProcess; with check=True a non-zero exit fails the test and shows the output.
+    With check=True a non-zero exit fails the test and shows the output.
     """
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     full_env.update(env or {})
