@@ -1,0 +1,208 @@
+"""Where training text comes from: documents (str) in a deterministic order.
+
+Three kinds of source:
+- `python_stdlib` (the default): the Python standard library's own .py files. It is real,
+  varied, human-written text (code, docstrings, comments) of about 10-12 MB that is present on
+  every machine that can run titanlite, so the default config trains out of the box, offline, with
+  no download. Excluded: site-packages (third-party, varies per machine), the test suites,
+  idlelib, lib2to3, tkinter and turtledemo (large, repetitive or GUI boilerplate).
+- local files (`dataset_path`): .json/.jsonl/.parquet/.txt files, globs or directories, read with
+  `datasets.load_dataset`; the text lives in `dataset_text_column`.
+- hub datasets (`c4`, `c4_test`, `fineweb`): streamed with `datasets` (`streaming=True`), never
+  downloaded whole; the loader tokenizes them on the fly.
+"""
+
+import glob
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests"}
+    | {"idlelib", "lib2to3", "tkinter", "turtledemo"}
+)
+# File extension -> datasets builder. Compressed variants are handled by datasets itself.
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    path: str
+    name: str | None
+    split: str
+    validation_split: str | None  # None: the dataset has no validation split
+    data_files: list[str] | None = None  # lets tests point the hub code path at local files
+
+
+HUB_DATASETS = {
+    "c4": HubDataset("allenai/c4", "en", "train", "validation"),
+    # c4_test: c4's validation split (~45 MB compressed), a small hub slice for quick runs.
+    "c4_test": HubDataset("allenai/c4", "en", "validation", "validation"),
+    "fineweb": HubDataset("HuggingFaceFW/fineweb", "sample-10BT", "train", None),
+}
+DATASET_CHOICES = ("python_stdlib", "local", *HUB_DATASETS)
+
+
+@dataclass
+class TextSource:
+    """A named stream of documents. `fingerprint` identifies the exact content (file list, sizes,
+    mtimes, column), so a token cache keyed by it is rebuilt whenever the data changes."""
+
+    name: str
+    fingerprint: str
+    streaming: bool
+    _documents: Callable[[], Iterator[str]] = field(repr=False)
+
+    def documents(self) -> Iterator[str]:
+        return self._documents()
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _file_stats(files: list[Path]) -> list:
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """(stdlib root, its .py files sorted by relative path, exclusions applied)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
+    ]
+    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def python_stdlib_source() -> TextSource:
+    root, files = stdlib_files()
+    if not files:
+        raise ValueError(f"no Python standard library sources found under {root}")
+
+    def documents():
+        for f in files:
+            # errors="replace": a stray non-UTF-8 byte must not stop training on a default setup.
+            yield f.read_text(encoding="utf-8", errors="replace")
+
+    rel = [[s[0][len(str(root)) + 1 :], *s[1:]] for s in _file_stats(files)]
+    fingerprint = _hash({"kind": "python_stdlib", "version": sys.version, "files": rel})
+    return TextSource("python_stdlib", fingerprint, False, documents)
+
+
+def expand_paths(dataset_path: str) -> list[Path]:
+    """Comma-separated files, globs or directories -> sorted, de-duplicated data files."""
+    files = set()
+    for pattern in (p.strip() for p in dataset_path.split(",")):
+        if not pattern:
+            continue
+        pattern = os.path.expanduser(pattern)
+        if os.path.isdir(pattern):
+            matched = [str(p) for p in Path(pattern).rglob("*") if p.is_file() and _builder(p)]
+        else:
+            matched = glob.glob(pattern, recursive=True)
+        if not matched:
+            raise ValueError(f"dataset_path {pattern!r} matches no data files")
+        files.update(Path(m).resolve() for m in matched)
+    return sorted(files)
+
+
+def _builder(path: Path) -> str | None:
+    name = path.name
+    for ext in COMPRESSION:
+        name = name.removesuffix(ext)
+    return BUILDERS.get(Path(name).suffix.lower())
+
+
+def _pick_builder(files: list[Path]) -> str:
+    builders = {f: _builder(f) for f in files}
+    unknown = [str(f) for f, b in builders.items() if b is None]
+    if unknown:
+        raise ValueError(
+            f"cannot read {unknown[:3]}: supported extensions are {sorted(BUILDERS)} "
+            f"(optionally compressed {COMPRESSION})"
+        )
+    kinds = set(builders.values())
+    if len(kinds) > 1:
+        raise ValueError(f"dataset_path mixes file formats {sorted(kinds)}; use one format")
+    return kinds.pop()
+
+
+def _iter_texts(ds, text_column: str, where: str) -> Iterator[str]:
+    """Texts of a datasets Dataset or IterableDataset, with a clear error for a wrong column."""
+    columns = ds.column_names
+    if columns is None:  # streaming json: the schema is only known after the first row
+        first = next(iter(ds), None)
+        columns = [] if first is None else list(first)
+    if text_column not in columns:
+        raise ValueError(
+            f"{where} has no column {text_column!r}; available columns: {columns}. "
+            "Set training.dataset_text_column to one of them."
+        )
+    for batch in ds.select_columns([text_column]).iter(batch_size=1024):
+        yield from (t for t in batch[text_column] if t)
+
+
+def _load_dataset(path, name, data_files, split, streaming, **kwargs):
+    import datasets  # heavy import: only when a datasets-backed source is used
+
+    return datasets.load_dataset(
+        path, name, data_files=data_files, split=split, streaming=streaming, **kwargs
+    )
+
+
+def local_source(dataset_path: str, text_column: str = "text", streaming: bool = False):
+    """Local files through `datasets` (map-style: fast memory-mapped Arrow; or streaming)."""
+    files = expand_paths(dataset_path)
+    builder = _pick_builder(files)
+    # .txt: one document per file (datasets' default would make every LINE a document).
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    str_files = [str(f) for f in files]
+
+    def documents():
+        ds = _load_dataset(builder, None, str_files, "train", streaming, **kwargs)
+        yield from _iter_texts(ds, text_column, f"dataset_path {dataset_path!r}")
+
+    fingerprint = _hash({"kind": builder, "files": _file_stats(files), "column": text_column})
+    return TextSource(f"local-{files[0].stem}", fingerprint, streaming, documents)
+
+
+def hub_source(dataset: str, text_column: str = "text", split: str = "train") -> TextSource:
+    """A hub dataset, always streamed (c4 is ~300 GB; nothing is downloaded up front)."""
+    spec = HUB_DATASETS[dataset]
+    hub_split = spec.split if split == "train" else spec.validation_split
+    if hub_split is None:
+        raise ValueError(
+            f"dataset {dataset!r} has no validation split and a stream has no end to hold out "
+            "from; set validation.dataset_path to local files"
+        )
+
+    def documents():
+        ds = _load_dataset(spec.path, spec.name, spec.data_files, hub_split, True)
+        yield from _iter_texts(ds, text_column, f"dataset {dataset!r} ({spec.path})")
+
+    fingerprint = _hash({"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column})
+    return TextSource(f"{dataset}-{hub_split}", fingerprint, True, documents)
+
+
+def build_source(
+    dataset: str, dataset_path: str = "", text_column: str = "text", split: str = "train"
+) -> TextSource:
+    """The source named by the training config. A `dataset_path` with the default dataset
+    (python_stdlib) means local files: the path is the more specific request."""
+    if dataset not in DATASET_CHOICES:
+        raise ValueError(f"unknown training.dataset {dataset!r}; choices: {list(DATASET_CHOICES)}")
+    if dataset in HUB_DATASETS:
+        return hub_source(dataset, text_column, split)
+    if dataset_path:
+        return local_source(dataset_path, text_column)
+    if dataset == "local":
+        raise ValueError("training.dataset 'local' needs training.dataset_path (files or globs)")
+    return python_stdlib_source()
