@@ -1,0 +1,223 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs, get_model_args, pad_vocab
+from titanlite.models.llama.model import (
+    ROPE_OLD_CONTEXT_LEN,
+    ROPE_SCALE_FACTOR,
+    Transformer,
+    apply_rotary_emb,
+    precompute_rope_cache,
+    rope_frequencies,
+)
+
+VOCAB = 512
+
+
+def build(seed=0, **overrides):
+    args = get_model_args("debugmodel", VOCAB, max_seq_len=64, use_scaled_rope=False)
+    if overrides:
+        args = ModelArgs(**{**args.__dict__, **overrides})
+    model = Transformer(args)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def tokens(b=2, s=16, seed=1):
+    return torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def test_debug_flavor_shapes():
+    args = LLAMA3_FLAVORS["debugmodel"]
+    assert (args.dim, args.n_layers, args.n_heads, args.num_kv_heads) == (256, 6, 16, 16)
+    assert args.ffn_hidden_dim == 768
+    assert LLAMA3_FLAVORS["8B"].ffn_hidden_dim == 14336
+    assert LLAMA3_FLAVORS["70B"].ffn_hidden_dim == 28672
+    assert LLAMA3_FLAVORS["405B"].ffn_hidden_dim == 53248
+    assert LLAMA3_FLAVORS["1B"].ffn_hidden_dim == 8192
+
+
+def test_logits_shape_and_dtype():
+    model = build()
+    logits = model(tokens())
+    assert logits.shape == (2, 16, VOCAB)
+    assert logits.dtype == model.output.weight.dtype
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 5])
+def test_loss_equals_cross_entropy_sum(chunk_tokens):
+    model = build()
+    x = tokens()
+    labels = tokens(seed=2)
+    labels[0, :3] = -100
+    labels[1, -1] = -100
+    with torch.no_grad():
+        expected = F.cross_entropy(
+            model(x).flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        loss = model(x, labels, chunk_tokens=chunk_tokens)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_loss_backward_reaches_all_params():
+    model = build()
+    model(tokens(), tokens(seed=2)).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 4])
+def test_causal(n_kv_heads):
+    model = build(n_kv_heads=n_kv_heads)
+    x = tokens(b=1, s=12)
+    t = 7
+    changed = x.clone()
+    changed[0, t] = (x[0, t] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(x), model(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=0)
+    assert not torch.allclose(a[:, t:], b[:, t:])
+
+
+def test_gqa_shapes_and_matches_repeated_kv_mha():
+    """GQA with kv heads repeated into a plain MHA model gives the same logits."""
+    gqa = build(n_kv_heads=4)
+    assert gqa.layers["0"].attention.wk.weight.shape == (4 * 16, 256)
+    mha = build(n_kv_heads=None)
+    state = gqa.state_dict()
+    hd, n_rep = 16, 4
+    for i in range(gqa.args.n_layers):
+        for name in ("wk", "wv"):
+            key = f"layers.{i}.attention.{name}.weight"
+            w = state[key].view(4, hd, 256)  # [hkv * hd, dim] -> [hkv, hd, dim]
+            state[key] = w.repeat_interleave(n_rep, dim=0).reshape(16 * hd, 256)  # -> [hq*hd, dim]
+    mha.load_state_dict(state)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x), mha(x), rtol=1e-5, atol=1e-5)
+
+
+def test_scaled_rope_changes_only_low_frequencies():
+    plain = rope_frequencies(128, 500000.0, scaled=False)
+    scaled = rope_frequencies(128, 500000.0, scaled=True)
+    wavelen = 2 * math.pi / plain
+    high = wavelen < ROPE_OLD_CONTEXT_LEN / 4  # short wavelengths: untouched
+    low = wavelen > ROPE_OLD_CONTEXT_LEN  # long wavelengths: divided by the scale factor
+    mid = ~high & ~low
+    assert high.any() and low.any() and mid.any()
+    torch.testing.assert_close(scaled[high], plain[high], rtol=0, atol=0)
+    torch.testing.assert_close(scaled[low], plain[low] / ROPE_SCALE_FACTOR)
+    # The band in between is interpolated: strictly between the two.
+    assert (scaled[mid] < plain[mid]).all() and (scaled[mid] > plain[mid] / ROPE_SCALE_FACTOR).all()
+    # Reference formula for one mid frequency (Meta's apply_scaling).
+    f = plain[mid][0]
+    smooth = (ROPE_OLD_CONTEXT_LEN / (2 * math.pi / f) - 1) / (4 - 1)
+    torch.testing.assert_close(scaled[mid][0], (1 - smooth) * f / 8 + smooth * f)
+
+
+def test_rope_cache_values():
+    args = get_model_args("debugmodel", VOCAB, max_seq_len=32)
+    cache = precompute_rope_cache(args)
+    assert cache.shape == (32, args.head_dim)
+    freqs = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    angle = 5 * freqs
+    torch.testing.assert_close(cache[5], torch.cat([angle.cos(), angle.sin()]))
+
+
+def test_rotary_matches_meta_complex_reference():
+    """Same rotation as Meta's view_as_complex(x pairs) * polar(1, angle), so Meta weights load."""
+    args = get_model_args("debugmodel", VOCAB, max_seq_len=32, use_scaled_rope=True)
+    x = torch.randn(2, 10, 3, args.head_dim)
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, scaled=True)
+    angles = torch.outer(torch.arange(10).float(), freqs)  # [s, hd/2]
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]  # [1, s, 1, hd/2]
+    x_c = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # [b, s, h, hd] -> [b, s, h, hd/2]
+    expected = torch.view_as_real(x_c * freqs_cis).flatten(-2)  # -> [b, s, h, hd]
+    got = apply_rotary_emb(x, precompute_rope_cache(args)[:10])
+    torch.testing.assert_close(got, expected)
+
+
+def test_meta_init_equals_direct_init():
+    args = get_model_args("debugmodel", VOCAB, max_seq_len=64)
+    direct = Transformer(args)
+    torch.manual_seed(123)
+    direct.init_weights()
+
+    with torch.device("meta"):
+        lazy = Transformer(args)
+    assert lazy.rope_cache.is_meta
+    lazy.to_empty(device="cpu")
+    torch.manual_seed(123)
+    lazy.init_weights()
+
+    direct_sd, lazy_sd = direct.state_dict(), lazy.state_dict()
+    assert direct_sd.keys() == lazy_sd.keys()
+    assert "rope_cache" not in lazy_sd  # non-persistent: checkpoints hold only Meta's keys
+    for k in direct_sd:
+        assert torch.equal(direct_sd[k], lazy_sd[k]), k
+    assert torch.equal(lazy.rope_cache, precompute_rope_cache(args))
+    assert torch.equal(lazy.rope_cache, direct.rope_cache)
+
+
+def test_init_scheme():
+    model = build()
+    assert torch.equal(model.norm.weight, torch.ones(256))
+    assert model.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.05)
+    out_std = 256**-0.5
+    assert model.output.weight.abs().max().item() <= 3 * out_std
+    last = model.layers["5"]
+    assert last.attention.wo.weight.std().item() == pytest.approx(0.02 / math.sqrt(12), rel=0.1)
+    assert last.feed_forward.w1.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_unknown_flavor_lists_available():
+    with pytest.raises(ValueError, match="debugmodel.*8B"):
+        get_model_args("9B", VOCAB, 64)
+
+
+def test_args_validation():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelArgs(dim=256, n_layers=1, n_heads=16, n_kv_heads=5)
+    with pytest.raises(ValueError, match="vocab_size"):
+        Transformer(LLAMA3_FLAVORS["debugmodel"])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        build()(tokens(s=65))
+
+
+def test_pad_vocab():
+    assert pad_vocab(100277) == 100352
+    assert pad_vocab(128256) == 128256
+    assert pad_vocab(5, 8) == 8
+
+
+def test_scaled_rope_flag():
+    assert not get_model_args("8B", 128256, 8192).use_scaled_rope
+    assert get_model_args("8B", 128256, 8192, use_scaled_rope=True).use_scaled_rope
+    assert get_model_args("1B", 128256, 8192).use_scaled_rope
+
+
+def expected_params(args: ModelArgs) -> int:
+    """From the dims alone: embedding + output + layers (attention, FFN, 2 norms) + final norm."""
+    hd, kv = args.head_dim, args.num_kv_heads
+    attn = args.dim * args.n_heads * hd * 2 + args.dim * kv * hd * 2
+    ffn = 3 * args.dim * args.ffn_hidden_dim
+    per_layer = attn + ffn + 2 * args.dim
+    return 2 * args.vocab_size * args.dim + args.n_layers * per_layer + args.dim
+
+
+@pytest.mark.parametrize(
+    "flavor,published", [("1B", None), ("3B", None), ("8B", 8.03e9), ("70B", 70.6e9)]
+)
+def test_param_counts(flavor, published):
+    args = get_model_args(flavor, 128256, 2048)
+    with torch.device("meta"):
+        model = Transformer(args)
+    total = model.num_params(exclude_embedding=False)
+    assert total == expected_params(args)
+    assert model.num_params() == total - 128256 * args.dim
+    if published is not None:
+        assert total == pytest.approx(published, rel=0.005)

@@ -1,0 +1,95 @@
+"""Llama 3 hyperparameters and the flavor table (data, not code)."""
+
+from dataclasses import dataclass, replace
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None = plain multi-head attention (n_kv_heads = n_heads)
+    vocab_size: int = 0  # 0 = not set yet: the trainer fills it from the tokenizer (pad_vocab)
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    use_scaled_rope: bool = False  # Llama 3.1 long-context RoPE frequency scaling
+    max_seq_len: int = 2048
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.num_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got dim/n_heads = {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU width as in Meta's reference: 2/3 of 4*dim, scaled, rounded up to multiple_of."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+# Meta's published shapes. 1B/3B are Llama 3.2, trained with scaled RoPE; the rest use the flag.
+LLAMA3_FLAVORS: dict[str, ModelArgs] = {
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, multiple_of=256),
+    "1B": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+        multiple_of=256, use_scaled_rope=True,
+    ),
+    "3B": ModelArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
+        multiple_of=256, use_scaled_rope=True,
+    ),
+    "8B": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024
+    ),
+    "70B": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
+    ),
+    "405B": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+    ),
+}  # fmt: skip
+
+
+def pad_vocab(n: int, multiple: int = 128) -> int:
+    """Round the tokenizer size up so the embedding/output shapes shard and tile evenly."""
+    if n < 1 or multiple < 1:
+        raise ValueError(
+            f"pad_vocab needs n >= 1 and multiple >= 1, got n={n}, multiple={multiple}"
+        )
+    return multiple * ((n + multiple - 1) // multiple)
+
+
+def get_model_args(
+    flavor: str, vocab_size: int, max_seq_len: int, use_scaled_rope: bool = False
+) -> ModelArgs:
+    """The flavor's ModelArgs with the run's vocab and sequence length.
+
+    use_scaled_rope=True turns scaling on; flavors trained with it (1B, 3B) keep it regardless.
+    """
+    if flavor not in LLAMA3_FLAVORS:
+        raise ValueError(f"unknown model flavor {flavor!r}; available: {', '.join(LLAMA3_FLAVORS)}")
+    base = LLAMA3_FLAVORS[flavor]
+    return replace(
+        base,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        use_scaled_rope=base.use_scaled_rope or use_scaled_rope,
+    )

@@ -1,0 +1,201 @@
+"""Llama 3 in plain PyTorch. Knows nothing of ranks, meshes or configs.
+
+Attribute names follow Meta's checkpoints so conversion is a key map. Parallelism is applied from
+the outside (parallelize.py); for that the attention derives its local head counts from shapes.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.loss import cross_entropy_sum, linear_cross_entropy_sum
+from titanlite.models.llama.args import ModelArgs
+
+# Llama 3.1 RoPE scaling constants, as in Meta's reference apply_scaling.
+ROPE_SCALE_FACTOR = 8.0
+ROPE_LOW_FREQ_FACTOR = 1.0
+ROPE_HIGH_FREQ_FACTOR = 4.0
+ROPE_OLD_CONTEXT_LEN = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float, scaled: bool) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2] (fp32)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if not scaled:
+        return freqs
+    # Long wavelengths (> old context / low factor) are slowed by the scale factor, short ones
+    # (< old context / high factor) kept, and the band in between interpolated smoothly.
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = ROPE_OLD_CONTEXT_LEN / ROPE_LOW_FREQ_FACTOR
+    high_freq_wavelen = ROPE_OLD_CONTEXT_LEN / ROPE_HIGH_FREQ_FACTOR
+    smooth = (ROPE_OLD_CONTEXT_LEN / wavelen - ROPE_LOW_FREQ_FACTOR) / (
+        ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR
+    )
+    mid = (1 - smooth) * freqs / ROPE_SCALE_FACTOR + smooth * freqs
+    scaled_freqs = torch.where(wavelen > low_freq_wavelen, freqs / ROPE_SCALE_FACTOR, mid)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled_freqs)
+
+
+def precompute_rope_cache(args: ModelArgs) -> torch.Tensor:
+    """cat(cos, sin) of position * frequency: [max_seq_len, head_dim] fp32.
+
+    Real-valued rather than complex because complex tensors are awkward under DTensor and compile.
+    """
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.use_scaled_rope)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)  # [S, hd/2]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of x [b, s, h, hd] by rope_cache [s, hd].
+
+    Adjacent (interleaved) pairs, as Meta's complex-number reference, so Meta weights load as is.
+    """
+    cos, sin = rope_cache.chunk(2, dim=-1)  # each [s, hd/2]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # [1, s, 1, hd/2]
+    # fp32 rotation (as the reference) so bf16 activations don't lose the position signal.
+    pairs = x.float().unflatten(-1, (-1, 2))  # [b, s, h, hd] -> [b, s, h, hd/2, 2]
+    real, imag = pairs.unbind(-1)  # each [b, s, h, hd/2]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)  # [b, s, h, hd/2, 2] -> [b, s, h, hd]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        kv_dim = args.num_kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def init_weights(self, out_std: float):
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, dim] -> [b, s, hq, hd]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, kv_dim] -> [b, s, hkv, hd]
+        v = self.wv(x).view(b, s, -1, self.head_dim)  # [b, s, kv_dim] -> [b, s, hkv, hd]
+        q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, s, h, hd] -> [b, h, s, hd]
+        # GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order).
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
+            v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, hq, s, hd]
+        out = out.transpose(1, 2).reshape(b, s, -1)  # [b, hq, s, hd] -> [b, s, hq * hd]
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def init_weights(self, out_std: float):
+        for linear in (self.w1, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def init_weights(self):
+        # Depth scaling keeps each residual branch's contribution from growing with layer index.
+        out_std = 0.02 / math.sqrt(2 * (self.layer_id + 1))
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(out_std)
+        self.feed_forward.init_weights(out_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.vocab_size < 1:
+            raise ValueError(
+                f"ModelArgs.vocab_size must be set (got {args.vocab_size}); "
+                "use get_model_args(flavor, pad_vocab(tokenizer.n_words), ...)"
+            )
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Non-persistent: derived from args, so checkpoints stay Meta-compatible; to_empty leaves it
+        # garbage, hence init_weights recomputes it.
+        self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
+
+    def init_weights(self, buffer_device: torch.device | str | None = None):
+        """Initialize every parameter and the RoPE buffer (after to_empty, or to re-init).
+
+        buffer_device: where to build rope_cache (default: where it is now), e.g. "cuda" when the
+        parameters are initialized on CPU but the buffer must live on the accelerator.
+        """
+        with torch.device(buffer_device or self.rope_cache.device):
+            self.rope_cache = precompute_rope_cache(self.args)
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        self.norm.reset_parameters()
+        std = self.args.dim**-0.5
+        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def num_params(self, exclude_embedding: bool = True) -> int:
+        """Parameter count (global under FSDP/TP: DTensor.numel() is the full size)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 0
+    ) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab], or with labels the fp32 summed cross-entropy.
+
+        The loss is computed here, not by the caller, so the output weight is read inside this
+        module's forward (unsharded by FSDP at that point).
+        """
+        seq_len = tokens.shape[1]
+        if seq_len > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}; "
+                "build the model with a larger max_seq_len"
+            )
+        rope_cache = self.rope_cache[:seq_len]  # [max_seq_len, hd] -> [s, hd]
+        h = self.tok_embeddings(tokens)  # [b, s, dim]
+        for layer in self.layers.values():
+            h = layer(h, rope_cache)
+        h = self.norm(h)
+        if labels is None:
+            return self.output(h)
+        if chunk_tokens > 0:
+            return linear_cross_entropy_sum(h, self.output.weight, labels, chunk_tokens)
+        return cross_entropy_sum(self.output(h), labels)
