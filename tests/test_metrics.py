@@ -1,0 +1,129 @@
+"""Metrics: FLOPs formula, peak FLOPs lookup and calibration, memory monitor, the metrics sink."""
+
+import json
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titanlite import metrics
+
+
+def test_flops_per_token_hand_computed():
+    args = SimpleNamespace(dim=256, n_layers=6, n_heads=16)
+    # 6 * 1000 + 12 * 6 layers * 16 heads * 16 head_dim * 128 seq = 6000 + 2,359,296
+    assert metrics.num_flops_per_token(1000, args, seq_len=128) == 2_365_296
+
+
+def test_peak_override_wins():
+    assert metrics.get_peak_flops(torch.device("cpu"), torch.float32, 123.0) == 123e12
+
+
+def _fake_cuda(monkeypatch, name):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("AMD Instinct MI300X", 1300),
+    ],
+)
+def test_peak_table(monkeypatch, name, tflops):
+    _fake_cuda(monkeypatch, name)
+    assert metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16) == tflops * 1e12
+
+
+def test_unknown_gpu_returns_none_and_warns_once(monkeypatch, caplog):
+    _fake_cuda(monkeypatch, "Imaginary GPU 9000")
+    with caplog.at_level(logging.WARNING, logger="titanlite.metrics"):
+        assert metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16) is None
+        assert metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16) is None
+    warnings = [r for r in caplog.records if "Imaginary GPU 9000" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_cpu_calibration_positive_and_cached(monkeypatch):
+    first = metrics.get_peak_flops(torch.device("cpu"), torch.float32)
+    assert first > 0 and math.isfinite(first)
+
+    def no_second_measurement(*args, **kwargs):
+        raise AssertionError("calibration ran twice")
+
+    monkeypatch.setattr(torch, "randn", no_second_measurement)
+    assert metrics.get_peak_flops(torch.device("cpu"), torch.float32) == first
+
+
+def test_throughput():
+    out = metrics.compute_throughput(1000, 2.0, 1e9, 1e13)
+    assert out["wps"] == 500 and out["tflops"] == pytest.approx(0.5) and out["mfu"] == 5.0
+    assert metrics.compute_throughput(1000, 2.0, 1e9, None)["mfu"] is None
+
+
+def test_memory_monitor_cpu():
+    monitor = metrics.DeviceMemoryMonitor(torch.device("cpu"))
+    stats = monitor.get_peak_stats()
+    assert stats.max_active_gib > 0 and stats.max_reserved_gib > 0
+    assert 0 < stats.max_reserved_pct < 100
+    assert stats.num_alloc_retries == 0 and stats.num_ooms == 0
+    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # touch 64 MiB: the peak cannot drop
+    assert monitor.get_peak_stats().max_reserved_gib >= stats.max_reserved_gib
+    del block
+    monitor.reset_peak_stats()
+    assert monitor.get_peak_stats().max_reserved_gib > 0
+
+
+def _cfg(**kw):
+    base = dict(log_freq=1, enable_tensorboard=True, save_tb_folder="tb", enable_jsonl=True)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_logger_writes_jsonl_exactly_and_tensorboard(tmp_path, caplog):
+    loss = 7.123456789012345
+    sink = metrics.MetricsLogger(_cfg(), str(tmp_path), enabled=True)
+    with caplog.at_level(logging.INFO, logger="titanlite.metrics"):
+        sink.log(10, {"loss": torch.tensor(loss, dtype=torch.float64), "lr": 8e-4, "mfu": None})
+        sink.log(20, {"loss": 1 / 3, "val_loss": 2.5, "wps": 2345.6})
+    sink.close()
+
+    lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [10, 20]
+    assert lines[0]["loss"] == loss and lines[1]["loss"] == 1 / 3
+    assert lines[0]["mfu"] is None and lines[0]["grad_norm"] is None
+    assert "val_loss" not in lines[0] and lines[1]["val_loss"] == 2.5
+    assert list(lines[0])[:2] == ["step", "loss"]
+
+    console = caplog.records[0].getMessage()
+    assert "loss  7.1235" in console and "lr 8.0e-04" in console and "mfu" not in console
+    assert "wps 2,346" in caplog.records[1].getMessage()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_disabled_logger_writes_nothing(tmp_path, caplog):
+    sink = metrics.MetricsLogger(_cfg(), str(tmp_path / "out"), enabled=False)
+    with caplog.at_level(logging.INFO):
+        sink.log(1, {"loss": 1.0})
+    sink.close()
+    assert not (tmp_path / "out").exists()
+    assert not caplog.records
+
+
+def test_init_logger_levels(monkeypatch):
+    monkeypatch.setenv("LOG_RANK", "1")
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    try:
+        metrics.init_logger(rank=1)
+        assert root.level == logging.INFO
+        metrics.init_logger(rank=0)
+        assert root.level == logging.WARNING
+    finally:
+        root.handlers[:] = saved[1]
+        root.setLevel(saved[0])

@@ -1,0 +1,294 @@
+"""FLOPs and MFU, device memory, and the per-step metrics sink (console, TensorBoard, JSONL).
+
+Units used throughout: `wps` is tokens per second per device, `tflops` is achieved TFLOP/s per
+device, `mfu` is a percentage (0-100), memory is GiB (2**30 bytes).
+"""
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_GIB = 2**30
+
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, matched as substrings of
+# torch.cuda.get_device_name(). Order matters: more specific names first.
+# Sources: NVIDIA/AMD datasheets, the same numbers torchtitan uses.
+_PEAK_BF16_TFLOPS = (
+    ("H100 NVL", 835.0),
+    ("H100 PCIE", 756.0),
+    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3") and other variants
+    ("H200", 989.0),  # also matches GH200, whose GPU has the same peak
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("MI300X", 1300.0),
+)
+
+_warned_devices: set[str] = set()
+_cpu_peak_cache: dict[tuple[torch.dtype, int], float] = {}
+
+
+def num_flops_per_token(num_params: int, model_args, seq_len: int) -> int:
+    """Training FLOPs per token: 6 * N + 12 * n_layers * n_heads * head_dim * seq_len.
+
+    The PaLM (appendix B) / torchtitan convention: N counts every parameter except the token
+    embedding (a lookup, no matmul) while the output projection counts; 6N is forward (2N) plus
+    backward (4N); the second term is the attention scores and weighted sum (QK^T and PV), which
+    have no parameters. The causal mask's saved half is not subtracted, as in both references.
+    """
+    head_dim = model_args.dim // model_args.n_heads
+    return 6 * num_params + 12 * model_args.n_layers * model_args.n_heads * head_dim * seq_len
+
+
+def get_peak_flops(
+    device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0
+) -> float | None:
+    """Peak FLOP/s of one device for MFU, or None when unknown (then no MFU is reported).
+
+    override_tflops > 0 wins. On GPU the table holds bf16 dense peaks; fp32 training is also
+    measured against the bf16 peak (as torchtitan does), since bf16 is what the hardware is for.
+    On CPU there is no datasheet number we can trust, so we calibrate (see _calibrate_cpu).
+    """
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _calibrate_cpu(dtype)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _warn_unknown(str(device))
+    name = torch.cuda.get_device_name(device)
+    upper = name.upper()
+    for key, tflops in _PEAK_BF16_TFLOPS:
+        if key in upper:
+            return tflops * 1e12
+    return _warn_unknown(name)
+
+
+def _warn_unknown(name: str) -> None:
+    # Never guess a peak: a wrong MFU is worse than none. Warn once per device name.
+    if name not in _warned_devices:
+        _warned_devices.add(name)
+        logger.warning(
+            f"Peak FLOPs unknown for device '{name}': MFU will not be reported. "
+            "Set --metrics.peak_tflops to the device's dense peak to enable it."
+        )
+    return None
+
+
+def _calibrate_cpu(dtype: torch.dtype, size: int = 2048, reps: int = 5) -> float:
+    """Best-of-`reps` FLOP/s of a size x size matmul in `dtype`, measured once per process.
+
+    Per process means per rank: each rank measures with its own torch thread count, which is
+    what its training matmuls get too (with several ranks on one machine each sees its share).
+    Cached by (dtype, threads) so every later call is free.
+    """
+    key = (dtype, torch.get_num_threads())
+    if key not in _cpu_peak_cache:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        a @ b  # warm-up: first call pays for allocation and kernel selection
+        best = math.inf
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        _cpu_peak_cache[key] = 2 * size**3 / best
+        logger.info(
+            f"CPU peak (matmul calibration, {dtype}, {key[1]} threads): "
+            f"{_cpu_peak_cache[key] / 1e12:.3f} TFLOP/s"
+        )
+    return _cpu_peak_cache[key]
+
+
+def compute_throughput(
+    tokens: int, seconds: float, flops_per_token: float, peak_flops: float | None
+) -> dict[str, float | None]:
+    """wps, tflops and mfu (percent; None without a peak) for `tokens` processed by one device."""
+    wps = tokens / seconds
+    flops = wps * flops_per_token
+    mfu = 100 * flops / peak_flops if peak_flops else None
+    return {"wps": wps, "tflops": flops / 1e12, "mfu": mfu}
+
+
+@dataclass
+class MemoryStats:
+    """Peak memory since the last reset. On CPU active == reserved == peak resident set size."""
+
+    max_active_gib: float
+    max_active_pct: float
+    max_reserved_gib: float
+    max_reserved_pct: float
+    num_alloc_retries: int
+    num_ooms: int
+
+
+class DeviceMemoryMonitor:
+    """Peak memory of this process's device: CUDA caching-allocator stats, or CPU peak RSS."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            self.capacity = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.reset_peak_stats()
+
+    def get_peak_stats(self) -> MemoryStats:
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            active = stats.get("active_bytes.all.peak", 0)
+            reserved = stats.get("reserved_bytes.all.peak", 0)
+            retries = stats.get("num_alloc_retries", 0)
+            ooms = stats.get("num_ooms", 0)
+        else:
+            active = reserved = _peak_rss_bytes()
+            retries = ooms = 0
+        return MemoryStats(
+            max_active_gib=active / _GIB,
+            max_active_pct=100 * active / self.capacity,
+            max_reserved_gib=reserved / _GIB,
+            max_reserved_pct=100 * reserved / self.capacity,
+            num_alloc_retries=retries,
+            num_ooms=ooms,
+        )
+
+    def reset_peak_stats(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        # Linux resets VmHWM to the current RSS on "5" (since 4.0). Elsewhere, or when /proc is
+        # read-only, the peak stays the process-lifetime peak, which is still a true upper bound.
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def init_logger(rank: int, log_rank: int | None = None) -> None:
+    """Root logging: the log rank (LOG_RANK env, default 0) at INFO, every other rank WARNING only.
+
+    All output goes to stdout with the rank in each line so torchrun's interleaving stays readable.
+    """
+    if log_rank is None:
+        log_rank = int(os.environ.get("LOG_RANK", "0"))
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter(f"[r{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    )
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == log_rank else logging.WARNING)
+
+
+# Keys every JSONL record has (null when not given), with their TensorBoard names.
+_TB_TAGS = {
+    "loss": "loss/global",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "wps": "throughput/wps",
+    "tflops": "throughput/tflops",
+    "mfu": "mfu_pct",
+    "memory_gib": "memory/max_reserved_gib",
+    "data_time_pct": "time/data_pct",
+    "elapsed_s": "time/elapsed_s",
+}
+_OPTIONAL_TB_TAGS = {"val_loss": "loss/validation", "val_ppl": "ppl/validation"}
+
+# Console fields in order: (key, label, format).
+_CONSOLE = (
+    ("loss", "loss", "{:7.4f}"),
+    ("grad_norm", "grad_norm", "{:5.3g}"),
+    ("lr", "lr", "{:.1e}"),
+    ("wps", "wps", "{:,.0f}"),
+    ("tflops", "tflops", "{:.3g}"),
+    ("mfu", "mfu", "{:.2f}%"),
+    ("memory_gib", "mem", "{:.2f}GiB"),
+    ("data_time_pct", "data", "{:.1f}%"),
+    ("val_loss", "val_loss", "{:.4f}"),
+    ("val_ppl", "val_ppl", "{:.2f}"),
+)
+
+
+def _to_float(value) -> float | None:
+    # Tensors and numpy scalars become Python floats so json.dumps writes them exactly.
+    if value is None:
+        return None
+    if hasattr(value, "item"):
+        value = value.item()
+    return float(value)
+
+
+class MetricsLogger:
+    """Writes one step's metrics to the console, TensorBoard and {dump_folder}/metrics.jsonl.
+
+    Only the logging rank passes enabled=True; elsewhere every method is a no-op and no file is
+    created. Values may be None or absent: they are left out of the console and TensorBoard and
+    written as null in JSON. Keys beyond the standard ones (e.g. val_loss) are passed through.
+    """
+
+    def __init__(self, metrics_cfg, dump_folder: str, enabled: bool):
+        self.enabled = enabled
+        self.tb = None
+        self.jsonl = None
+        if not enabled:
+            return
+        if metrics_cfg.enable_tensorboard:
+            # Imported here: tensorboard is slow to import and ranks that do not log skip it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(dump_folder) / metrics_cfg.save_tb_folder))
+        if metrics_cfg.enable_jsonl:
+            Path(dump_folder).mkdir(parents=True, exist_ok=True)
+            # Line-buffered so a crash loses at most the line being written.
+            self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def log(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        floats = {k: _to_float(v) for k, v in values.items()}
+        parts = [f"step {step:>5}"]
+        for key, label, fmt in _CONSOLE:
+            if floats.get(key) is not None:
+                parts.append(f"{label} {fmt.format(floats[key])}")
+        logger.info("  ".join(parts))
+        if self.tb is not None:
+            for key, value in floats.items():
+                if value is not None:
+                    tag = _TB_TAGS.get(key) or _OPTIONAL_TB_TAGS.get(key) or key
+                    self.tb.add_scalar(tag, value, step)
+        if self.jsonl is not None:
+            record = {"step": step, **dict.fromkeys(_TB_TAGS), **floats}
+            self.jsonl.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
