@@ -26,6 +26,9 @@ class ConfigError(Exception):
     """A mistake in a config file or on the command line; the message says what and the fix."""
 
 
+DTYPE_CHOICES = ("float32", "bfloat16")
+
+
 def opt(default, help, choices=(), ge=None, lt=None):
     """A config field with a one-line help; `choices`, `ge` (>=) and `lt` (<) are enforced."""
     meta = {"help": help, "choices": tuple(choices), "ge": ge, "lt": lt}
@@ -60,7 +63,7 @@ class Model:
 class Optimizer:
     """Optimizer and its hyperparameters."""
 
-    name: str = opt("AdamW", "Optimizer name")
+    name: str = opt("AdamW", "Optimizer name", choices=("AdamW",))
     lr: float = opt(8e-4, "Peak learning rate", ge=0)
     beta1: float = opt(0.9, "Adam beta1")
     beta2: float = opt(0.95, "Adam beta2")
@@ -103,8 +106,12 @@ class Training:
     max_norm: float = opt(1.0, "Gradient clipping max norm")
     seed: int = opt(42, "Random seed")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
-    mixed_precision_param: str = opt("bfloat16", "Dtype of parameters in forward/backward")
-    mixed_precision_reduce: str = opt("float32", "Dtype of gradient reductions")
+    mixed_precision_param: str = opt(
+        "bfloat16", "Dtype of parameters in forward/backward", choices=DTYPE_CHOICES
+    )
+    mixed_precision_reduce: str = opt(
+        "float32", "Dtype of gradient reductions", choices=DTYPE_CHOICES
+    )
     accumulation_sync: str = opt(
         "every", "Reduce gradients after every microbatch or the last", choices=("every", "last")
     )
@@ -135,7 +142,7 @@ class Checkpoint:
     load_step: int = opt(-1, "Step to resume from (-1 = newest)")
     initial_load_path: str = opt("", "Checkpoint to start from when the folder has none")
     exclude_from_loading: list[str] = opt([], "State keys not to load, e.g. optimizer,lr_scheduler")
-    export_dtype: str = opt("float32", "Dtype of exported model weights")
+    export_dtype: str = opt("float32", "Dtype of exported model weights", choices=DTYPE_CHOICES)
     async_mode: str = opt("disabled", "Save in the background", choices=("disabled", "async"))
     create_seed_checkpoint: bool = opt(False, "Write the initial weights as step 0 and exit")
 
