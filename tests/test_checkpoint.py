@@ -1,0 +1,239 @@
+"""CheckpointManager: round trips, atomicity, pruning, errors, async, preemption; single process
+unless a test says otherwise (multi-process tests launch real gloo workers)."""
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from titanlite.checkpoint import MARKER, CheckpointManager, create_seed_checkpoint, scan_checkpoints
+from titanlite.config import Checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeLoader:
+    """Stands in for the data loader: its state is a global position."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd):
+        self.pos = sd["pos"]
+
+
+class FakeTrainState:
+    def __init__(self):
+        self.step, self.tokens_seen = 0, 0
+
+    def state_dict(self):
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, sd):
+        self.step, self.tokens_seen = sd["step"], sd["tokens_seen"]
+
+
+def make_setup(tmp_path, shapes=(8, 16), **cfg_overrides):
+    """A tiny model, AdamW and a warmup schedule, wrapped in a manager writing under tmp_path."""
+    model = nn.Sequential(nn.Linear(shapes[0], shapes[1]), nn.ReLU(), nn.Linear(shapes[1], 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    cfg = replace(Checkpoint(), enable=True, interval=1, **cfg_overrides)
+    mgr = CheckpointManager(cfg, tmp_path, model, opt, sched, FakeLoader(), FakeTrainState())
+    return mgr
+
+
+def train_steps(mgr, n, save=True):
+    """n optimizer steps with random data; advances loader and train state like the trainer."""
+    for _ in range(n):
+        x = torch.randn(4, mgr.model[0].in_features)
+        mgr.model(x).square().sum().backward()
+        mgr.optimizer.step()
+        mgr.optimizer.zero_grad()
+        mgr.lr_scheduler.step()
+        mgr.dataloader.pos += 4
+        mgr.train_state.step += 1
+        mgr.train_state.tokens_seen += 32
+        if save:
+            mgr.maybe_save(mgr.train_state.step)
+
+
+def snapshot(mgr):
+    """Everything a resume must restore, as comparable values."""
+    opt_state = {
+        (i, k): v.clone() for i, s in enumerate(mgr.optimizer.state.values()) for k, v in s.items()
+    }
+    return {
+        "params": [p.detach().clone() for p in mgr.model.parameters()],
+        "opt": opt_state,
+        "sched": mgr.lr_scheduler.state_dict(),
+        "lr": mgr.optimizer.param_groups[0]["lr"],
+        "loader": mgr.dataloader.state_dict(),
+        "train": mgr.train_state.state_dict(),
+        "rng": (torch.get_rng_state(), random.getstate()),
+    }
+
+
+def assert_same(a, b):
+    assert len(a["params"]) == len(b["params"])
+    for x, y in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(x, y)
+    assert a["opt"].keys() == b["opt"].keys() and a["opt"]
+    for k in a["opt"]:
+        assert torch.equal(a["opt"][k], b["opt"][k]), k
+    assert a["sched"] == b["sched"] and a["lr"] == b["lr"]
+    assert a["loader"] == b["loader"] and a["train"] == b["train"]
+    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
+
+
+def test_round_trip_is_bitwise(tmp_path):
+    mgr = make_setup(tmp_path)
+    train_steps(mgr, 3)  # saves steps 1, 2, 3
+    before = snapshot(mgr)
+
+    fresh = make_setup(tmp_path)
+    torch.manual_seed(1234)
+    random.seed(99)
+    assert fresh.load() == 3
+    assert_same(before, snapshot(fresh))
+    # and training continues identically
+    torch.manual_seed(7)
+    train_steps(mgr, 1, save=False)
+    torch.manual_seed(7)
+    train_steps(fresh, 1, save=False)
+    for x, y in zip(mgr.model.parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_keep_latest_k_and_load_step(tmp_path):
+    mgr = make_setup(tmp_path, keep_latest_k=2)
+    train_steps(mgr, 4)
+    complete, partial = scan_checkpoints(tmp_path / "checkpoint")
+    assert sorted(complete) == [3, 4] and partial == []
+
+    fresh = make_setup(tmp_path, load_step=3)
+    assert fresh.load() == 3
+    assert fresh.train_state.step == 3 and fresh.dataloader.pos == 12
+
+    with pytest.raises(ValueError, match=r"load_step=1: no complete checkpoint .*step-1.*\[3, 4\]"):
+        make_setup(tmp_path, load_step=1).load()
+
+
+def test_fresh_start_and_exclude_from_loading(tmp_path):
+    assert make_setup(tmp_path).load() == 0  # empty folder: fresh
+    mgr = make_setup(tmp_path)
+    train_steps(mgr, 2)
+    fresh = make_setup(tmp_path, exclude_from_loading=["optimizer", "dataloader", "train_state"])
+    assert fresh.load() == 0  # train state not restored: the caller starts at step 0
+    assert not fresh.optimizer.state and fresh.dataloader.pos == 0
+    assert fresh.lr_scheduler.state_dict() == mgr.lr_scheduler.state_dict()
+    for x, y in zip(mgr.model.parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="unknown parts.*'model'"):
+        make_setup(tmp_path, exclude_from_loading=["model"])
+
+
+def test_partial_folders_are_ignored_with_a_warning(tmp_path, caplog):
+    mgr = make_setup(tmp_path)
+    train_steps(mgr, 2)
+    ckpt = tmp_path / "checkpoint"
+    # a crashed save leaves step-N.tmp; a folder that lost its marker is partial too
+    (ckpt / "step-3.tmp").mkdir()
+    (ckpt / "step-2" / MARKER).unlink()
+    with caplog.at_level(logging.WARNING, logger="titanlite.checkpoint"):
+        assert make_setup(tmp_path).load() == 1
+    assert "step-3.tmp" in caplog.text and "step-2" in caplog.text
+
+
+def test_corrupt_file_gives_a_clear_error(tmp_path):
+    mgr = make_setup(tmp_path)
+    train_steps(mgr, 1)
+    (distcp,) = (tmp_path / "checkpoint" / "step-1").glob("*.distcp")
+    distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
+    with pytest.raises(RuntimeError, match="failed to load checkpoint .*step-1"):
+        make_setup(tmp_path).load()
+
+
+def test_shape_mismatch_names_path_and_weight(tmp_path):
+    mgr = make_setup(tmp_path)
+    train_steps(mgr, 1)
+    other = make_setup(tmp_path, shapes=(8, 32))
+    with pytest.raises(
+        ValueError,
+        match=r"step-1 does not match the model.*0\.weight: saved \(16, 8\), model \(32, 8\)",
+    ):  # noqa: E501
+        other.load()
+
+
+def test_initial_load_path_loads_weights_only(tmp_path):
+    src = make_setup(tmp_path / "a")
+    train_steps(src, 2)
+    step_dir = tmp_path / "a" / "checkpoint" / "step-2"
+    mgr = make_setup(tmp_path / "b", initial_load_path=str(step_dir))
+    assert mgr.load() == 0
+    assert not mgr.optimizer.state and mgr.dataloader.pos == 0 and mgr.train_state.step == 0
+    for x, y in zip(src.model.parameters(), mgr.model.parameters(), strict=True):
+        assert torch.equal(x, y)
+    # the run's own folder wins over initial_load_path once it has a checkpoint
+    train_steps(mgr, 1)
+    assert make_setup(tmp_path / "b", initial_load_path=str(step_dir)).load() == 1
+
+    for bad, msg in [(tmp_path / "nope", "does not exist"), (tmp_path / "a", "not a DCP")]:
+        with pytest.raises(ValueError, match=f"initial_load_path: .*{msg}"):
+            make_setup(tmp_path / "c", initial_load_path=str(bad)).load()
+
+
+def test_seed_checkpoint_is_model_only_and_leaves_optimizer_alone(tmp_path):
+    mgr = make_setup(tmp_path)
+    mgr.save(0)  # what train.py does for create_seed_checkpoint: no optimizer step yet
+    assert not mgr.optimizer.state  # get_state_dict would have run a zero-grad step()
+    path = create_seed_checkpoint(mgr.cfg, tmp_path / "seed", mgr.model)
+    assert (path / MARKER).is_file()
+    fresh = make_setup(tmp_path)
+    assert fresh.load() == 0
+    for x, y in zip(mgr.model.parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_async_save_captures_state_at_call_time(tmp_path):
+    mgr = make_setup(tmp_path, async_mode="async")
+    train_steps(mgr, 2, save=False)
+    before = snapshot(mgr)
+    mgr.save(2)
+    assert not (tmp_path / "checkpoint" / "step-2").exists()  # published only by wait()
+    with torch.no_grad():  # training goes on while the save is in flight
+        for p in mgr.model.parameters():
+            p.add_(1.0)
+    mgr.wait()
+    assert (tmp_path / "checkpoint" / "step-2" / MARKER).is_file()
+    fresh = make_setup(tmp_path)
+    assert fresh.load() == 2
+    after = snapshot(fresh)
+    after["rng"] = before["rng"]  # the rng moved on in this process since; checked elsewhere
+    assert_same(before, after)
+    mgr.close()
+
+
+def test_should_stop_after_sigusr1_or_sigterm(tmp_path):
+    mgr = make_setup(tmp_path)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        mgr.install_signal_handlers()
+        assert not mgr.should_stop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.should_stop()
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
