@@ -1,0 +1,101 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from titanlite.data import sources
+from titanlite.data.sources import (
+    STDLIB_EXCLUDED_DIRS,
+    HubDataset,
+    build_source,
+    hub_source,
+    local_source,
+    stdlib_files,
+)
+
+DOCS = [f"document {i}: " + "word " * (i % 7) for i in range(30)]
+
+
+def write_jsonl(path, docs, column="text"):
+    path.write_text("".join(json.dumps({column: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def test_stdlib_deterministic_and_filtered():
+    root, files = stdlib_files()
+    assert files == stdlib_files()[1]
+    assert len(files) > 300
+    rel = [f.relative_to(root) for f in files]
+    assert rel == sorted(rel, key=lambda p: p.as_posix())
+    assert not any(STDLIB_EXCLUDED_DIRS.intersection(p.parts[:-1]) for p in rel)
+    src = build_source("python_stdlib")
+    assert not src.streaming and src.fingerprint == build_source("python_stdlib").fingerprint
+    first = [d for d, _ in zip(src.documents(), range(3), strict=False)]
+    assert first == [f.read_text(encoding="utf-8", errors="replace") for f in files[:3]]
+
+
+def test_local_jsonl_and_glob_order(tmp_path):
+    write_jsonl(tmp_path / "b.jsonl", DOCS[15:])
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:15])
+    src = build_source("local", str(tmp_path / "*.jsonl"))
+    assert list(src.documents()) == DOCS  # files sorted by path: a before b
+    # dataset_path with the default dataset means local files
+    assert list(build_source("python_stdlib", str(tmp_path)).documents()) == DOCS
+    both = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+    assert build_source("local", both).fingerprint == src.fingerprint
+
+
+def test_local_parquet_and_column(tmp_path):
+    table = pa.table({"content": DOCS, "n": list(range(len(DOCS)))})
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert list(local_source(str(tmp_path / "d.parquet"), "content").documents()) == DOCS
+
+
+def test_local_txt_one_document_per_file(tmp_path):
+    (tmp_path / "1.txt").write_text("line one\nline two\n")
+    (tmp_path / "2.txt").write_text("other file\n")
+    docs = list(local_source(str(tmp_path / "*.txt")).documents())
+    assert docs == ["line one\nline two\n", "other file\n"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_missing_column_lists_columns(tmp_path, streaming):
+    path = write_jsonl(tmp_path / "x.jsonl", DOCS, column="body")
+    src = local_source(str(path), "text", streaming=streaming)
+    with pytest.raises(ValueError, match=r"no column 'text'.*\['body', 'id'\]"):
+        list(src.documents())
+
+
+def test_streaming_path_on_local_files(tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", DOCS)
+    src = local_source(str(path), streaming=True)
+    assert src.streaming and list(src.documents()) == DOCS
+
+
+def test_hub_code_path_with_local_files(tmp_path, monkeypatch):
+    """The c4/fineweb code path (streaming load_dataset) pointed at local jsonl files."""
+    path = write_jsonl(tmp_path / "hub.jsonl", DOCS)
+    spec = HubDataset("json", None, "train", "train", data_files=[str(path)])
+    monkeypatch.setitem(sources.HUB_DATASETS, "c4", spec)
+    src = build_source("c4")
+    assert src.streaming and list(src.documents()) == DOCS
+    assert list(hub_source("c4", split="validation").documents()) == DOCS
+    with pytest.raises(ValueError, match="validation.dataset_path"):
+        hub_source("fineweb", split="validation")
+
+
+def test_bad_requests(tmp_path):
+    with pytest.raises(ValueError, match="python_stdlib.*c4.*fineweb"):
+        build_source("wikitext")
+    with pytest.raises(ValueError, match="dataset_path"):
+        build_source("local")
+    with pytest.raises(ValueError, match="matches no data files"):
+        build_source("local", str(tmp_path / "*.jsonl"))
+    (tmp_path / "a.csv").write_text("text\nx\n")
+    with pytest.raises(ValueError, match="supported extensions"):
+        build_source("local", str(tmp_path / "a.csv"))
+    write_jsonl(tmp_path / "b.jsonl", DOCS)
+    (tmp_path / "c.txt").write_text("x")
+    with pytest.raises(ValueError, match="mixes file formats"):
+        build_source("local", f"{tmp_path / 'b.jsonl'},{tmp_path / 'c.txt'}")

