@@ -7,7 +7,7 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -237,3 +237,74 @@ def test_should_stop_after_sigusr1_or_sigterm(tmp_path):
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+# Worker scripts run in fresh interpreters (torchrun or a killable child), so they carry their own
+# tiny fixtures instead of importing this file.
+_WORKER_COMMON = """
+import sys, torch, torch.distributed as dist
+from dataclasses import replace
+from torch import nn
+from titanlite.checkpoint import CheckpointManager
+from titanlite.config import Checkpoint
+
+class Box:
+    def __init__(self, **kw): self.__dict__.update(kw)
+    def state_dict(self): return dict(self.__dict__)
+    def load_state_dict(self, sd): self.__dict__.update(sd)
+
+def build(folder, **cfg):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    c = replace(Checkpoint(), enable=True, interval=1, **cfg)
+    return CheckpointManager(c, folder, model, opt, sched, Box(pos=0), Box(step=0, tokens_seen=0))
+
+def step(mgr, n):
+    for i in range(n):
+        torch.manual_seed(100 + i)  # same batch on every rank
+        mgr.model(torch.randn(4, 8)).square().sum().backward()
+        mgr.optimizer.step(); mgr.optimizer.zero_grad(); mgr.lr_scheduler.step()
+        mgr.dataloader.pos += 4; mgr.train_state.step += 1
+"""
+
+_SLOW_SAVE = """
+import time
+from pathlib import Path
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+folder = sys.argv[1]
+mgr = build(folder)
+step(mgr, 1); mgr.save(1)
+orig = FileSystemWriter.write_data
+def slow_write(self, plan, planner):
+    fut = orig(self, plan, planner)
+    fut.wait()  # the data files are on disk, the .metadata is not: then the job is killed
+    Path(folder, "writing").touch()
+    time.sleep(600)
+    return fut
+FileSystemWriter.write_data = slow_write
+step(mgr, 1); mgr.save(2)
+"""
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, caplog):
+    script = tmp_path / "slow_save.py"
+    script.write_text(_WORKER_COMMON + _SLOW_SAVE)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    try:
+        for _ in range(1200):
+            if (tmp_path / "writing").exists() or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert (tmp_path / "writing").exists(), f"child exited {proc.returncode} before writing"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert any((tmp_path / "checkpoint" / "step-2.tmp").glob("*.distcp"))
+    mgr = make_setup(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="titanlite.checkpoint"):
+        assert mgr.load() == 1
+    assert "partial checkpoint" in caplog.text and "step-2.tmp" in caplog.text
+    assert mgr.dataloader.pos == 4

@@ -1,15 +1,16 @@
 """Checkpointing on torch.distributed.checkpoint (DCP): resharding, atomic, optionally async.
 
-On disk, `{dump_folder}/{folder}/step-N/` holds the DCP files (`.metadata`, `__R_0.distcp`) and a
-`COMPLETE` marker. A save writes into `step-N.tmp/`; once every rank has finished (DCP's final gather
-has run), rank 0 writes the marker and renames the folder. A crash mid-save therefore leaves only a
-`step-N.tmp/` (reported and ignored on load) and never touches an older checkpoint.
+On disk, `{dump_folder}/{folder}/step-N/` holds the DCP files (`.metadata`, `__R_0.distcp`) and
+a `COMPLETE` marker. A save writes into `step-N.tmp/`; once every rank has finished (DCP's final
+gather has run), rank 0 writes the marker and renames the folder. A crash mid-save therefore
+leaves only a `step-N.tmp/` (reported and ignored on load) and never touches an older checkpoint.
 
 DCP keys: "model" and "optimizer" (from `get_state_dict`, so any FSDP/TP layout can load any other),
 "lr_scheduler", "dataloader", "train_state", "meta" (pickled blobs, so their structure may change
 between runs without confusing DCP's per-key planner) and "rng.rank{R}" (each rank's RNG states).
 """
 
+import contextlib
 import json
 import logging
 import pickle
@@ -17,6 +18,7 @@ import random
 import re
 import shutil
 import signal
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,14 @@ def _rank() -> int:
 def _barrier() -> None:
     if _dist_on():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every call without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a")
+        yield
 
 
 def _dcp_reason(err: BaseException) -> str:
@@ -122,7 +132,8 @@ class CheckpointManager:
         bad = sorted(set(ckpt_cfg.exclude_from_loading) - set(EXCLUDABLE))
         if bad:
             raise ValueError(
-                f"checkpoint.exclude_from_loading has unknown parts {bad}; allowed: {list(EXCLUDABLE)}"
+                f"checkpoint.exclude_from_loading has unknown parts {bad}; "
+                f"allowed: {list(EXCLUDABLE)}"
             )
         if ckpt_cfg.async_mode not in ("disabled", "async"):
             raise ValueError(
@@ -167,7 +178,8 @@ class CheckpointManager:
             fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
             self._pending = (fut, step)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist_on())
+            with _quiet_single_process():
+                dcp.save(state, checkpoint_id=str(tmp))
             self._finalize(step)
         self._last_saved = step
 
@@ -284,8 +296,8 @@ class CheckpointManager:
         if step >= 0:
             if step not in complete:
                 raise ValueError(
-                    f"checkpoint.load_step={step}: no complete checkpoint {self.folder}/step-{step};"
-                    f" complete steps there: {sorted(complete)}"
+                    f"checkpoint.load_step={step}: no complete checkpoint "
+                    f"{self.folder}/step-{step}; complete steps there: {sorted(complete)}"
                 )
             return str(complete[step])
         return str(complete[max(complete)]) if complete else None
@@ -340,7 +352,8 @@ class CheckpointManager:
     @staticmethod
     def _read(path: Path, state: dict) -> dict:
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _dist_on())
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:
             raise RuntimeError(f"failed to load checkpoint {path}: {_dcp_reason(e)}") from e
         return state
