@@ -5,8 +5,9 @@ returns a sum, never a mean: microbatches and ranks can then be added exactly.
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 IGNORE_INDEX = -100
 
@@ -18,30 +19,67 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _chunk_logits(h_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The matmul runs in the input dtype (fast); only this chunk's result is upcast.
+    return (h_c @ weight.T).float()  # [t, d] @ [d, V_local] -> [t, V_local] fp32
+
+
+def _local_targets(y: torch.Tensor, vocab_start: int, local_vocab: int):
+    """Labels as indices into this rank's vocab slice, and which of them fall inside it."""
+    local_y = y - vocab_start
+    # Ignored (-100) and other ranks' labels are out of range: clamp to index safely, then mask.
+    mine = (y != IGNORE_INDEX) & (local_y >= 0) & (local_y < local_vocab)
+    return local_y.clamp(0, local_vocab - 1), mine
+
+
+def _accumulate_grad_w(grad_w: torch.Tensor, g: torch.Tensor, h_c: torch.Tensor) -> None:
+    """grad_w [V, d] fp32 += g.T @ h_c with g [t, V], h_c [t, d] in the input dtype."""
+    if g.dtype == torch.float32:
+        grad_w.addmm_(g.T, h_c)  # in place: no [V, d] temporary
+        return
+    # A low-precision product cannot be added into fp32 in place, so it needs a temporary; slicing
+    # the vocab keeps that temporary no larger than the chunk's logits instead of a whole [V, d].
+    t, vocab = g.shape
+    rows = max(1, t * vocab // h_c.shape[1])
+    for v in range(0, vocab, rows):
+        grad_w[v : v + rows] += g[:, v : v + rows].T @ h_c  # [rows, d], promoted to fp32
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_i CE(h_i @ W.T, y_i), chunk by chunk, saving only h, W, labels and per-token logsumexp.
 
     No chunk's logits survive the forward; backward recomputes them, so activation memory is
-    O(chunk_tokens x vocab) instead of O(N x vocab).
+    O(chunk_tokens x vocab) instead of O(N x vocab). With a process group, `weight` holds rows
+    [vocab_start, vocab_start + V_local) of a vocab-sharded output layer (tensor parallel) and the
+    per-token max, sum of exponentials and target logit are all-reduced over the group.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_tokens):
-        # h [N, d], weight [V, d], labels [N]
-        n = h.shape[0]
+    def forward(ctx, h, weight, labels, chunk_tokens, vocab_start, group):
+        # h [N, d], weight [V_local, d], labels [N]
+        n, local_vocab = h.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            logits = (h[start:end] @ weight.T).float()  # [t, V]
-            chunk_lse = torch.logsumexp(logits, dim=-1)  # [t]
+            logits = _chunk_logits(h[start:end], weight)  # [t, V_local]
             y = labels[start:end]
-            valid = y != IGNORE_INDEX
-            # Ignored labels (-100) are not valid indices: gather at 0, then mask out.
-            target = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)  # [t]
-            total += torch.where(valid, chunk_lse - target, 0.0).sum()
+            idx, mine = _local_targets(y, vocab_start, local_vocab)
+            target = torch.where(mine, logits.gather(1, idx.unsqueeze(1)).squeeze(1), 0.0)
+            m = _all_reduce(logits.amax(dim=1), dist.ReduceOp.MAX, group)  # [t]
+            # exp in place: the chunk's logits are not needed after this.
+            sumexp = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1)  # [t]
+            both = _all_reduce(torch.stack([sumexp, target]), dist.ReduceOp.SUM, group)  # [2, t]
+            chunk_lse = m + both[0].log()
+            total += torch.where(y != IGNORE_INDEX, chunk_lse - both[1], 0.0).sum()
             lse[start:end] = chunk_lse
-        ctx.chunk_tokens = chunk_tokens
+        ctx.chunk_tokens, ctx.vocab_start, ctx.group = chunk_tokens, vocab_start, group
         ctx.save_for_backward(h, weight, labels, lse)
         return total
 
@@ -57,23 +95,44 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for start in range(0, n, step):
             end = min(start + step, n)
             h_c, y = h[start:end], labels[start:end]
-            valid = y != IGNORE_INDEX
-            # dCE/dlogits = softmax - onehot(y), built in place in the recomputed fp32 logits.
-            probs = (h_c @ weight.T).float()  # [t, V]
+            # dCE/dlogits = softmax - onehot(y), built in place in the recomputed logits.
+            probs = _chunk_logits(h_c, weight)  # [t, V_local]
             probs.sub_(lse[start:end].unsqueeze(1)).exp_()
+            idx, mine = _local_targets(y, ctx.vocab_start, weight.shape[0])
             rows = torch.arange(end - start, device=h.device)
-            probs[rows, y.clamp(min=0)] -= 1.0
+            probs[rows, idx] -= mine.float()
             # Ignored tokens contribute nothing; grad_out carries the trainer's loss scale.
-            probs.mul_((valid.float() * grad_out).unsqueeze(1))
-            g = probs.to(h.dtype)  # [t, V]; matmuls run in the input dtype
+            probs.mul_(torch.where(y != IGNORE_INDEX, grad_out, 0.0).unsqueeze(1))
+            g = probs.to(h.dtype)  # [t, V_local]; the matmuls run in the input dtype
             if need_h:
                 torch.mm(g, weight, out=grad_h[start:end])
-            if need_w and g.dtype == torch.float32:
-                grad_w.addmm_(g.T, h_c)  # in place: no [V, d] temporary
-            elif need_w:
-                grad_w += (g.T @ h_c).float()  # [V, d] in the input dtype, summed in fp32
+            if need_w:
+                _accumulate_grad_w(grad_w, g, h_c)
+        if need_h:
+            # Each rank's vocab slice contributes a partial dL/dh; h is replicated, so sum them.
+            _all_reduce(grad_h, dist.ReduceOp.SUM, ctx.group)
         grad_w = grad_w.to(weight.dtype) if need_w else None
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None, None
+
+
+def _tp_local_inputs(h, weight: DTensor):
+    """Vocab-sharded DTensor weight (TP output layer) -> local h, local weight, offset, group."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            "loss.chunk_tokens > 0 needs the output weight sharded on vocab over one "
+            f"tensor-parallel mesh dim, got placements {weight.placements} on {mesh}; "
+            "set --loss.chunk_tokens 0"
+        )
+    if isinstance(h, DTensor):
+        # Sequence-parallel hidden states: every rank needs all tokens against its vocab slice.
+        h = h.redistribute(mesh, [Replicate()]).to_local()
+    # Shard(0) splits like torch.chunk: ceil(V / n) rows per rank, the last ones may get fewer.
+    vocab, n = weight.shape[0], mesh.size()
+    vocab_start = min(mesh.get_local_rank() * -(-vocab // n), vocab)
+    local = weight.to_local()
+    assert local.shape[0] == min(-(-vocab // n), vocab - vocab_start), (local.shape, vocab)
+    return h, local, vocab_start, mesh.get_group()
 
 
 def linear_cross_entropy_sum(
@@ -81,14 +140,18 @@ def linear_cross_entropy_sum(
 ) -> torch.Tensor:
     """Equal to cross_entropy_sum(h @ weight.T, labels), computed chunk_tokens tokens at a time.
 
-    h [b, s, d] or [N, d], weight [V, d], labels [b, s] or [N]; returns an fp32 scalar.
+    h [b, s, d] or [N, d], weight [V, d], labels [b, s] or [N]; returns an fp32 scalar (a plain
+    tensor, identical on every rank, when weight is a vocab-sharded DTensor under TP).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 for the chunked loss, got {chunk_tokens}")
-    if isinstance(h, DTensor) or isinstance(weight, DTensor):
-        raise ValueError(
-            "loss.chunk_tokens > 0 is not supported with tensor_parallel_degree > 1 "
-            "(the output weight is a DTensor); set --loss.chunk_tokens 0"
-        )
+    vocab_start, group = 0, None
+    if isinstance(weight, DTensor):
+        h, weight, vocab_start, group = _tp_local_inputs(h, weight)
+    elif isinstance(h, DTensor):
+        raise ValueError("h is a DTensor but the output weight is not; both must come from TP")
+    if isinstance(labels, DTensor):
+        labels = labels.full_tensor()
     flat_h = h.reshape(-1, h.shape[-1])  # [b, s, d] -> [N, d]
-    return _LinearCrossEntropySum.apply(flat_h, weight, labels.reshape(-1), chunk_tokens)
+    flat_y = labels.reshape(-1)  # [b, s] -> [N]
+    return _LinearCrossEntropySum.apply(flat_h, weight, flat_y, chunk_tokens, vocab_start, group)
