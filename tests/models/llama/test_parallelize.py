@@ -1,0 +1,222 @@
+"""parallelize_llama against a single-process reference, in real gloo processes.
+
+This file is also the torchrun worker: `python -m torch.distributed.run ... test_parallelize.py
+OUT.json` runs every layout in one launch (process start-up dominates on 2 cores) and writes what
+rank 0 measured; the tests compare it with the same steps run here in one process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from titanlite.distributed import clip_grad_norm_, dist_sum
+from titanlite.models.llama.args import ModelArgs
+from titanlite.models.llama.model import Transformer
+from titanlite.models.llama.parallelize import (
+    init_weights_parallel,
+    loss_parallel_ctx,
+    parallelize_llama,
+)
+from titanlite.parallel_dims import ParallelDims
+
+ARGS = ModelArgs(
+    dim=64, n_layers=3, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=32, max_seq_len=32
+)
+SEED, STEPS, GLOBAL_BATCH, SEQ = 7, 3, 8, 16
+# name -> (dp_replicate, dp_shard, tp, loss_parallel, ac_mode, ac_option)
+LAYOUTS = {
+    "fsdp4": (1, 4, 1, False, "none", "op"),
+    "hsdp2x2_fullac": (2, 2, 1, False, "full", "op"),
+    "tp4": (1, 1, 4, False, "none", "op"),
+    "fsdp2_tp2_sac": (1, 2, 2, False, "selective", "op"),
+    "fsdp2_tp2_lossparallel": (1, 2, 2, True, "none", "op"),
+}
+
+
+def cfgs(loss_parallel=False, ac_mode="none", ac_option="op", compile_=False):
+    return dict(
+        parallelism_cfg=SimpleNamespace(
+            enable_loss_parallel=loss_parallel, fsdp_reshard_after_forward="default"
+        ),
+        training_cfg=SimpleNamespace(
+            mixed_precision_param="float32", mixed_precision_reduce="float32"
+        ),
+        ac_cfg=SimpleNamespace(mode=ac_mode, selective_ac_option=ac_option),
+        compile_cfg=SimpleNamespace(enable=compile_, backend="inductor"),
+        loss_cfg=SimpleNamespace(chunk_tokens=0),
+    )
+
+
+def batches():
+    """STEPS global batches of (tokens, labels) with some ignored labels."""
+    g = torch.Generator().manual_seed(123)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g)
+        labels = torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g)
+        labels[torch.rand(GLOBAL_BATCH, SEQ, generator=g) < 0.2] = -100
+        out.append((tokens, labels))
+    return out
+
+
+def train(model, dp_mesh, dp_rank, dp_degree, loss_parallel=False):
+    """The trainer's step in miniature: sum loss / global tokens, clip, AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    local = GLOBAL_BATCH // dp_degree
+    losses, norms = [], []
+    for tokens, labels in batches():
+        tokens = tokens[dp_rank * local : (dp_rank + 1) * local]
+        labels = labels[dp_rank * local : (dp_rank + 1) * local]
+        global_tokens = dist_sum((labels != -100).sum().float(), dp_mesh)
+        with loss_parallel_ctx(loss_parallel):
+            loss_sum = model(tokens, labels)
+            if isinstance(loss_sum, DTensor):
+                loss_sum = loss_sum.to_local()  # replicated: the local value is the loss
+            (loss_sum / global_tokens).backward()
+        norms.append(clip_grad_norm_(model.parameters(), 1.0).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append((dist_sum(loss_sum.detach(), dp_mesh) / global_tokens).item())
+    return losses, norms
+
+
+def reference_model():
+    """The single-process init that parallel init must reproduce: seed right before init_weights
+    (construction draws random numbers of its own)."""
+    model = Transformer(ARGS)
+    torch.manual_seed(SEED)
+    model.init_weights()
+    return model
+
+
+def full(p):
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def run_layout(name, ref_state, ref_rope):
+    """Build meta -> parallelize -> to_empty -> init; check init, shards; train. Rank-0 result."""
+    r, s, t, lp, ac_mode, ac_opt = LAYOUTS[name]
+    pd = ParallelDims(r, s, t, int(os.environ["WORLD_SIZE"]))
+    pd.validate_model(ARGS, SimpleNamespace(enable_loss_parallel=lp))
+    mesh = pd.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    parallelize_llama(model, pd, mesh, **cfgs(lp, ac_mode, ac_opt))
+    model.to_empty(device="cpu")
+    init_weights_parallel(model, ARGS, SEED, "cpu")
+    state = {k: full(v) for k, v in model.state_dict().items()}
+    init_diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    local_bytes = sum(p.to_local().nbytes for p in model.parameters())
+    wq = model.layers["0"].attention.wq.weight
+    losses, norms = train(model, pd.dp_mesh, pd.dp_rank, pd.dp_degree, lp)
+    return {
+        "keys": sorted(state),
+        "init_diff": init_diff,
+        "rope_ok": torch.equal(model.rope_cache, ref_rope),
+        "local_param_bytes": local_bytes,
+        "wq_local_shape": list(wq.to_local().shape),
+        "losses": losses,
+        "norms": norms,
+    }
+
+
+def worker(out_path):
+    torch.distributed.init_process_group("gloo")
+    ref = reference_model()
+    ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
+    results = {name: run_layout(name, ref_state, ref.rope_cache) for name in LAYOUTS}
+    if torch.distributed.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def parallel_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parallelize") / "results.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[3]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    proc = subprocess.run(
+        [*cmd, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference_run():
+    model = reference_model()
+    return train(model, None, 0, 1)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, parallel_results, reference_run):
+    res = parallel_results[name]
+    ref_losses, ref_norms = reference_run
+    assert res["init_diff"] == 0.0, "parallel init must equal single-process init bitwise"
+    assert res["rope_ok"]
+    assert res["keys"] == sorted(reference_model().state_dict())  # wrappers leave clean names
+    assert res["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert res["norms"] == pytest.approx(ref_norms, rel=1e-4)
+
+
+def test_fsdp_shards_params_and_tp_splits_heads(parallel_results):
+    total = sum(p.nbytes for p in reference_model().parameters())
+    # Uneven dims (e.g. 3 blocks' norms of 64 over 4 ranks) pad at most one row per param.
+    assert parallel_results["fsdp4"]["local_param_bytes"] == pytest.approx(total / 4, rel=0.02)
+    assert parallel_results["tp4"]["wq_local_shape"] == [ARGS.dim // 4, ARGS.dim]
+    assert parallel_results["fsdp2_tp2_sac"]["wq_local_shape"] == [ARGS.dim // 4, ARGS.dim]
+
+
+def one_step(model):
+    tokens, labels = batches()[0]
+    loss = model(tokens, labels)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "ac_mode,option", [("full", "op"), ("selective", "op"), ("selective", "2")]
+)
+def test_activation_checkpointing_matches_eager(ac_mode, option):
+    pd = ParallelDims(1, 1, 1, 1)
+    ref_loss, ref_grads = one_step(reference_model())
+    model = parallelize_llama(
+        reference_model(), pd, None, **cfgs(ac_mode=ac_mode, ac_option=option)
+    )
+    wrapped = sum("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    assert wrapped > 0
+    loss, grads = one_step(model)
+    assert torch.equal(loss, ref_loss)
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[k.replace("_checkpoint_wrapped_module.", "")])
+
+
+def test_compiled_blocks_match_eager():
+    pd = ParallelDims(1, 1, 1, 1)
+    ref_loss, ref_grads = one_step(reference_model())
+    model = parallelize_llama(reference_model(), pd, None, **cfgs(compile_=True))
+    loss, grads = one_step(model)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[k.replace("_orig_mod.", "")], rtol=1e-4, atol=1e-5)
+
+
+def test_invalid_ac_option():
+    with pytest.raises(ValueError, match="selective_ac_option"):
+        parallelize_llama(
+            reference_model(),
+            ParallelDims(1, 1, 1, 1),
+            None,
+            **cfgs(ac_mode="selective", ac_option="x"),
+        )
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])

@@ -1,0 +1,110 @@
+"""Process-group setup, cross-mesh gradient clipping and small reduction helpers.
+
+Works the same under torchrun (any world size) and plain `python` (no process group, world 1):
+every helper degrades to a no-op when there is nothing to reduce over.
+"""
+
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def _num_cores() -> int:
+    # Respect taskset / cgroup pinning: cpu_count() reports the whole machine.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def init_distributed() -> tuple[int, int, int, torch.device]:
+    """Start the process group if launched by torchrun; return (rank, local_rank, world, device).
+
+    cuda:{LOCAL_RANK} + nccl when CUDA is present, else cpu + gloo. Plain `python` (no RANK /
+    WORLD_SIZE in the environment) creates no process group and reports world size 1.
+    """
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank = int(os.environ.get("RANK", 0)) if launched else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched else 0
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched else 1
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if launched else 1
+
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        # N ranks on one host each defaulting to all cores oversubscribe the CPU badly; an explicit
+        # OMP_NUM_THREADS (torchrun sets 1 when it starts >1 process) is the user's choice and wins.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, _num_cores() // max(1, local_world)))
+
+    if launched and world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return rank, local_rank, world_size, device
+
+
+def destroy() -> None:
+    """Tear down the default process group if one exists (safe to call in world 1)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _group(mesh_or_group):
+    """The process group behind a 1-D mesh (or the group itself); None means 'nothing to reduce'."""
+    if mesh_or_group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if isinstance(mesh_or_group, DeviceMesh):
+        assert mesh_or_group.ndim == 1, "reduce over a flattened 1-D mesh"
+        return mesh_or_group.get_group()
+    return mesh_or_group
+
+
+def _all_reduce(tensor: torch.Tensor, op, mesh_or_group) -> torch.Tensor:
+    out = tensor.detach().clone()
+    group = _group(mesh_or_group)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def dist_sum(tensor: torch.Tensor, mesh_or_group=None) -> torch.Tensor:
+    """Sum of `tensor` over the ranks of a 1-D mesh / group (a copy; no-op in world 1)."""
+    return _all_reduce(tensor, dist.ReduceOp.SUM, mesh_or_group)
+
+
+def dist_max(tensor: torch.Tensor, mesh_or_group=None) -> torch.Tensor:
+    """Elementwise max of `tensor` over the ranks of a 1-D mesh / group (a copy)."""
+    return _all_reduce(tensor, dist.ReduceOp.MAX, mesh_or_group)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip gradients by their global norm over every mesh dim; return the norm as a plain tensor.
+
+    torch's clip_grad_norm_ stacks per-param norms and fails when params live on different meshes
+    (e.g. FSDP-only norms next to FSDP x TP weights), so the norm is taken per mesh group, made
+    global with full_tensor(), and combined here. max_norm <= 0 only measures. A non-finite norm is
+    returned without touching the grads: the caller decides to stop or skip the step.
+    """
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if not groups:
+        return torch.zeros(())
+    norms = []
+    for ps in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in ps], norm_type)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if max_norm > 0 and torch.isfinite(total):
+        for ps in groups.values():
+            # Takes PARAMS (it reads p.grad); passing grads would silently clip nothing.
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    return total

@@ -1,0 +1,277 @@
+"""Apply TP/SP -> activation checkpointing -> per-block compile -> FSDP2 to a Llama Transformer,
+and initialize the parallelized (meta-built) model exactly like a single-process run.
+
+Order matters: TP first (it turns weights into DTensors on the TP mesh), AC and compile wrap the
+blocks, FSDP last so it shards the TP DTensors over the data-parallel mesh (torchtitan order).
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titanlite.models.llama.model import TransformerBlock, precompute_rope_cache
+from titanlite.parallel_dims import ParallelDims
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Wrapper prefixes that checkpoint_wrapper / torch.compile insert into parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def parallelize_llama(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    world_mesh: DeviceMesh | None,
+    *,
+    parallelism_cfg,
+    training_cfg,
+    ac_cfg,
+    compile_cfg,
+    loss_cfg,
+) -> nn.Module:
+    """Transform `model` in place (blocks may be replaced by wrappers) and return it."""
+    if parallel_dims.tp_enabled:
+        if loss_cfg.chunk_tokens > 0:
+            raise ValueError(
+                "loss.chunk_tokens > 0 is not supported with tensor_parallel_degree > 1; "
+                "set --loss.chunk_tokens 0"
+            )
+        apply_tp(model, parallel_dims.tp_mesh, parallelism_cfg.enable_loss_parallel)
+    if ac_cfg.mode != "none":
+        apply_ac(model, ac_cfg.mode, ac_cfg.selective_ac_option)
+    if compile_cfg.enable:
+        apply_compile(model, compile_cfg.backend)
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            parallel_dims.fsdp_mesh,
+            param_dtype=_dtype(training_cfg.mixed_precision_param, "mixed_precision_param"),
+            reduce_dtype=_dtype(training_cfg.mixed_precision_reduce, "mixed_precision_reduce"),
+            reshard_after_forward=parallelism_cfg.fsdp_reshard_after_forward,
+        )
+    return model
+
+
+def _dtype(name: str, key: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"training.{key} must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def loss_parallel_ctx(enabled: bool):
+    """Context for forward AND backward (CE backward on vocab-sharded logits needs it too)."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) -> None:
+    """Megatron TP with sequence parallelism on the norms.
+
+    The residual stream stays a DTensor (use_local_output=False on tok_embeddings / wo / w2):
+    with plain local outputs, compiled blocks silently lose the embedding gradient under FSDP x TP
+    (probe item 9c). rope_cache reaches the blocks as a plain tensor and is only used after the
+    PrepareModuleInput all-gather, i.e. on the full sequence, so it needs no layout.
+    """
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            # Loss parallel keeps the logits vocab-sharded; else gather them for a plain CE.
+            output_layouts=Shard(-1) if enable_loss_parallel else Replicate(),
+            use_local_output=not enable_loss_parallel,
+        ),
+    }
+    parallelize_module(model, tp_mesh, root_plan)
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+# Ops whose outputs selective AC keeps: matmuls (expensive to recompute, cheap to store relative
+# to the elementwise tails) and attention. SDPA dispatches to a different op per device.
+_SAC_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # Under TP, recomputing would repeat the reduce-scatter collective.
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _sac_policy(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if func in _SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _sac_context():
+    return create_selective_checkpoint_contexts(_sac_policy)
+
+
+def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> None:
+    """full: recompute every block; selective 'op': keep matmul/attention outputs;
+    selective 'N': full AC on every Nth block (blocks N-1, 2N-1, ...)."""
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpoint.mode must be none|full|selective, got {mode!r}")
+    every = 1
+    kwargs = {}
+    if mode == "selective" and selective_option == "op":
+        kwargs["context_fn"] = _sac_context
+    elif mode == "selective":
+        if not selective_option.isdigit() or int(selective_option) < 1:
+            raise ValueError(
+                "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
+                f"(checkpoint every Nth block), got {selective_option!r}"
+            )
+        every = int(selective_option)
+    for key, block in model.layers.items():
+        if (int(key) + 1) % every == 0:
+            # RNG state is not preserved: the blocks have no dropout, so saving it is pure cost.
+            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """Compile each block on its own: identical blocks share one compiled graph (fast warm-up),
+    and FSDP's per-block hooks stay outside the compiled regions."""
+    for key, block in model.layers.items():
+        model.layers[key] = torch.compile(block, backend=backend, fullgraph=True)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str,
+) -> None:
+    """FSDP2 per block, then the root (embedding, final norm, output); 2-D mesh = HSDP.
+
+    Gradients are SUMMED over data-parallel ranks: the trainer already divides the loss by the
+    global token count, so FSDP's default averaging would divide twice.
+    """
+    if reshard_after_forward not in ("default", "always", "never"):
+        raise ValueError(
+            "parallelism.fsdp_reshard_after_forward must be default|always|never, "
+            f"got {reshard_after_forward!r}"
+        )
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    keys = list(model.layers.keys())
+    for key in keys:
+        # 'default': the last block would be all-gathered again right away for backward.
+        reshard = reshard_after_forward == "always" or (
+            reshard_after_forward == "default" and key != keys[-1]
+        )
+        fully_shard(model.layers[key], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root keeps FSDP's root default (no reshard): its params are needed first in backward.
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            _set_sum_reduction(module)
+
+
+def _set_sum_reduction(module: FSDPModule) -> None:
+    # Both setters are per module (not recursive). A divide factor of 1 alone makes FSDP use
+    # PREMUL_SUM, which gloo rejects; force-sum makes it a plain SUM on every backend.
+    module.set_gradient_divide_factor(1.0)
+    if hasattr(module, "set_force_sum_reduction_for_comms"):
+        module.set_force_sum_reduction_for_comms(True)
+    elif torch.distributed.get_backend() != "nccl":
+        raise RuntimeError(
+            "this torch has no FSDPModule.set_force_sum_reduction_for_comms, and gloo cannot "
+            "run the PREMUL_SUM reduction a divide factor of 1 needs; upgrade torch or use nccl"
+        )
+
+
+def _clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@torch.no_grad()
+def _copy_unit(target: nn.Module, source: nn.Module) -> None:
+    """Copy every parameter of the unsharded `source` into `target`'s (maybe sharded) params."""
+    full = dict(source.named_parameters())
+    for name, param in target.named_parameters():
+        value = full.pop(_clean_name(name)).to(param.device)
+        if isinstance(param, DTensor):
+            # Every rank holds the same full tensor, so each takes its own shard locally
+            # (src_data_rank=None: no broadcast).
+            value = distribute_tensor(
+                value, param.device_mesh, param.placements, src_data_rank=None
+            )
+        param.copy_(value)
+    assert not full, f"parameters not copied: {sorted(full)}"
+
+
+def _cpu_unit(build) -> nn.Module:
+    """Build a module on meta and materialize it on CPU: construction draws no random numbers,
+    so the caller's RNG stream is consumed only by the explicit init calls."""
+    with torch.device("meta"):
+        module = build()
+    return module.to_empty(device="cpu")
+
+
+@torch.no_grad()
+def init_weights_parallel(model: nn.Module, model_args, seed: int, device) -> None:
+    """Give `model` (plain, TP, FSDP or both, after to_empty) exactly the weights of
+    `torch.manual_seed(seed); Transformer(args).init_weights()` on CPU, for any layout.
+
+    DTensor random init on CPU meshes draws the same numbers on every rank (probe 12b), so each
+    unit (embedding, each block, final norm, output) is built unsharded on CPU, one at a time,
+    initialized in the single-process order from one CPU RNG stream, then sliced into the local
+    shards. Peak extra memory is one unsharded unit; every rank pays the full RNG time.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # Same order as Transformer.init_weights: embedding, blocks, norm, output.
+        emb = _cpu_unit(lambda: nn.Embedding(model_args.vocab_size, model_args.dim))
+        nn.init.normal_(emb.weight)
+        _copy_unit(model.tok_embeddings, emb)
+        del emb
+        for key, block in model.layers.items():
+            ref = _cpu_unit(lambda k=key: TransformerBlock(int(k), model_args))
+            ref.init_weights()
+            _copy_unit(block, ref)
+        norm = _cpu_unit(lambda: nn.RMSNorm(model_args.dim, eps=model_args.norm_eps))
+        norm.reset_parameters()
+        _copy_unit(model.norm, norm)
+        out = _cpu_unit(lambda: nn.Linear(model_args.dim, model_args.vocab_size, bias=False))
+        std = model_args.dim**-0.5
+        nn.init.trunc_normal_(out.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        _copy_unit(model.output, out)
+    # Non-persistent buffer: to_empty left it uninitialized.
+    with torch.device(device):
+        model.rope_cache = precompute_rope_cache(model_args)
