@@ -308,3 +308,69 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, caplog):
         assert mgr.load() == 1
     assert "partial checkpoint" in caplog.text and "step-2.tmp" in caplog.text
     assert mgr.dataloader.pos == 4
+
+
+_FSDP = """
+import os
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+folder, mode = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+world = dist.get_world_size()
+mgr = build(folder, async_mode="async" if mode == "save" else "disabled")
+mesh = init_device_mesh("cpu", (world,))
+for m in (mgr.model[0], mgr.model[2], mgr.model):
+    fully_shard(m, mesh=mesh)
+mgr.optimizer = torch.optim.AdamW(mgr.model.parameters(), lr=1e-2)  # over the sharded params
+mgr.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(mgr.optimizer, lambda s: 1.0)
+if mode == "save":
+    step(mgr, 2); mgr.save(2); mgr.close()
+else:
+    assert mgr.load() == 2
+full = get_state_dict(mgr.model, mgr.optimizer,
+                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if dist.get_rank() == 0:
+    torch.save(full, os.path.join(folder, f"full_{mode}_{world}.pt"))
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(script, nproc, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(script), *map(str, args)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _assert_nested_equal(a, b, path=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_nested_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_nested_equal(x, y, f"{path}.{i}")
+    else:
+        assert a == b, path
+
+
+def test_fsdp_async_save_reshards_to_fewer_ranks_and_one_process(tmp_path):
+    script = tmp_path / "fsdp.py"
+    script.write_text(_WORKER_COMMON + _FSDP)
+    _torchrun(script, 4, tmp_path, "save")  # FSDP over 4 ranks, async save on its own gloo PG
+    _torchrun(script, 2, tmp_path, "load")
+    saved = torch.load(tmp_path / "full_save_4.pt", weights_only=False)
+    _assert_nested_equal(saved, torch.load(tmp_path / "full_load_2.pt", weights_only=False))
+
+    mgr = make_setup(tmp_path)  # one process, no process group, plain module
+    assert mgr.load() == 2 and mgr.dataloader.pos == 8
+    model_sd, optim_sd = saved
+    for name, p in mgr.model.named_parameters():
+        assert torch.equal(p, model_sd[name]), name
+        st = mgr.optimizer.state[p]
+        assert torch.equal(st["exp_avg"], optim_sd["state"][name]["exp_avg"]), name
+        assert torch.equal(st["exp_avg_sq"], optim_sd["state"][name]["exp_avg_sq"]), name
