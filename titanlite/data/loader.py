@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
@@ -66,7 +67,7 @@ def _build_cache(source: TextSource, tokenizer, final: Path) -> None:
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        start, offsets = time.perf_counter(), [0]
+        start, offsets = time.perf_counter(), array("q", [0])  # 8 bytes/doc, not a PyObject
         with open(tmp / "tokens.bin", "wb") as f:
             for docs in _chunks(source.documents(), _DOCS_PER_CHUNK):
                 for ids in tokenizer.encode_batch(docs, bos=True, eos=True):
@@ -74,7 +75,7 @@ def _build_cache(source: TextSource, tokenizer, final: Path) -> None:
                     offsets.append(offsets[-1] + len(ids))
         if len(offsets) == 1:
             raise ValueError(f"data source {source.name!r} produced no documents")
-        np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+        np.save(tmp / "offsets.npy", np.frombuffer(offsets, dtype=np.int64))
         meta = {
             "version": CACHE_FORMAT_VERSION,
             "source": source.name,

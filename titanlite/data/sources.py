@@ -91,7 +91,9 @@ def python_stdlib_source() -> TextSource:
     def documents():
         for f in files:
             # errors="replace": a stray non-UTF-8 byte must not stop training on a default setup.
-            yield f.read_text(encoding="utf-8", errors="replace")
+            text = f.read_text(encoding="utf-8", errors="replace")
+            if text:  # empty __init__.py files would be bos+eos rows with nothing to learn
+                yield text
 
     rel = [[s[0][len(str(root)) + 1 :], *s[1:]] for s in _file_stats(files)]
     fingerprint = _hash({"kind": "python_stdlib", "version": sys.version, "files": rel})
