@@ -1,0 +1,121 @@
+"""init_distributed, reductions and the cross-mesh gradient clip: in one process, and on 4 gloo
+ranks launched by torchrun (this file is also the worker)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from titanlite.distributed import clip_grad_norm_, destroy, dist_max, dist_sum, init_distributed
+
+
+def make_grads(seed=0):
+    """A small model with gradients, built and filled the same way in every process."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.RMSNorm(8), nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False)
+    )
+    model(torch.randn(4, 8)).pow(2).sum().backward()
+    return model
+
+
+def test_plain_python_is_world_one(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    rank, local_rank, world, device = init_distributed()
+    assert (rank, local_rank, world) == (0, 0, 1)
+    assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert not torch.distributed.is_initialized()
+    x = torch.tensor([1.0, 5.0])
+    assert torch.equal(dist_sum(x), x) and torch.equal(dist_max(x, None), x)
+    destroy()  # no process group: a no-op
+
+
+def test_clip_matches_torch():
+    ours, ref = make_grads(), make_grads()
+    norm = clip_grad_norm_(ours.parameters(), 0.5)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    torch.testing.assert_close(norm, ref_norm)
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_measure_only_and_nonfinite_leave_grads():
+    model = make_grads()
+    before = [p.grad.clone() for p in model.parameters()]
+    norm = clip_grad_norm_(model.parameters(), 0.0)
+    assert norm > 0
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+    model[1].weight.grad[0, 0] = float("inf")
+    assert torch.isinf(clip_grad_norm_(model.parameters(), 1.0))
+    assert torch.equal(model[0].weight.grad, before[0])  # not scaled by 1/inf
+
+
+def worker(out_path):
+    """Mixed meshes: TP only on the linears, the norm weight on no mesh at all (probe 6b)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from titanlite.parallel_dims import ParallelDims
+
+    rank, local_rank, world, device = init_distributed()
+    pd = ParallelDims(1, 2, 2, world)
+    pd.build_mesh(device.type)
+    total = dist_sum(torch.tensor(float(rank)), pd.dp_mesh)  # dp groups {0,2} and {1,3}
+    biggest = dist_max(torch.tensor(float(rank)), pd.dp_mesh.get_group())
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.RMSNorm(8), nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False)
+    )
+    parallelize_module(model, pd.tp_mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    model(torch.randn(4, 8)).pow(2).sum().backward()
+    norm = clip_grad_norm_(model.parameters(), 0.5)
+    clipped = [
+        p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for p in model.parameters()
+    ]
+    if rank == 0:
+        Path(out_path).write_text(
+            json.dumps(
+                {
+                    "world": world,
+                    "device": str(device),
+                    "threads": torch.get_num_threads(),
+                    "sum": total.item(),
+                    "max": biggest.item(),
+                    "norm": norm.item(),
+                    "grads": [g.tolist() for g in clipped],
+                }
+            )
+        )
+    destroy()
+
+
+def test_four_ranks(tmp_path):
+    out = tmp_path / "dist.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    proc = subprocess.run(
+        [*cmd, __file__, str(out)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert (res["world"], res["device"], res["threads"]) == (4, "cpu", 1)
+    assert (res["sum"], res["max"]) == (2.0, 2.0)  # rank 0's dp group is {0, 2}
+    ref = make_grads()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    assert res["norm"] == pytest.approx(ref_norm.item(), rel=1e-5)
+    for got, p in zip(res["grads"], ref.parameters(), strict=True):
+        torch.testing.assert_close(torch.tensor(got), p.grad, rtol=1e-5, atol=1e-7)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])

@@ -1,0 +1,121 @@
+"""ParallelDims: degree resolution and validation (pure Python), and the meshes it builds on
+4 real gloo ranks (this file is also the torchrun worker)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from titanlite.models.llama.args import ModelArgs
+from titanlite.parallel_dims import ParallelDims
+
+# (dp_replicate, dp_shard, tp) layouts of 4 ranks checked in the worker.
+LAYOUTS = [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4)]
+
+
+def test_infers_shard_degree():
+    pd = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=8)
+    assert (pd.dp_shard, pd.dp_degree) == (2, 4)
+    assert pd.tp_enabled and pd.fsdp_enabled and pd.hsdp_enabled and pd.dp_enabled
+
+
+def test_world_one_has_no_parallelism_and_no_mesh():
+    pd = ParallelDims(1, -1, 1, 1)
+    assert (pd.dp_degree, pd.dp_rank) == (1, 0)
+    assert not (pd.dp_enabled or pd.tp_enabled or pd.fsdp_enabled or pd.hsdp_enabled)
+    assert pd.build_mesh("cpu") is None and pd.dp_mesh is None
+
+
+def test_product_mismatch_names_every_degree():
+    with pytest.raises(ValueError) as e:
+        ParallelDims(dp_replicate=2, dp_shard=3, tp=1, world_size=4)
+    msg = str(e.value)
+    assert "data_parallel_replicate_degree (2) x data_parallel_shard_degree (3)" in msg
+    assert "tensor_parallel_degree (1) = 6, but the world size is 4" in msg
+
+
+@pytest.mark.parametrize(
+    "degrees,match",
+    [
+        ((0, -1, 1), "data_parallel_replicate_degree must be >= 1"),
+        ((1, -1, 0), "tensor_parallel_degree must be >= 1"),
+        ((1, 0, 1), "data_parallel_shard_degree must be >= 1 or -1"),
+        ((1, -1, 3), "cannot infer data_parallel_shard_degree"),
+    ],
+)
+def test_bad_degrees(degrees, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims(*degrees, world_size=4)
+
+
+ARGS = ModelArgs(dim=256, n_layers=2, n_heads=16, n_kv_heads=4, vocab_size=512)
+
+
+def test_tp_must_divide_heads_and_kv_heads():
+    ParallelDims(1, 1, 4, 4).validate_model(ARGS)
+    with pytest.raises(ValueError, match=r"n_heads \(16\) and n_kv_heads \(4\)"):
+        ParallelDims(1, 1, 8, 8).validate_model(ARGS)
+
+
+def test_loss_parallel_needs_tp_and_chunked_loss_excludes_tp():
+    lp = SimpleNamespace(enable_loss_parallel=True)
+    with pytest.raises(ValueError, match="enable_loss_parallel needs tensor_parallel_degree > 1"):
+        ParallelDims(1, 4, 1, 4).validate_model(ARGS, lp)
+    ParallelDims(1, 2, 2, 4).validate_model(ARGS, lp, SimpleNamespace(chunk_tokens=0))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        ParallelDims(1, 2, 2, 4).validate_model(ARGS, None, SimpleNamespace(chunk_tokens=1024))
+    # FSDP alone is fine with the chunked loss and with uneven shards.
+    ParallelDims(1, 3, 1, 3).validate_model(ARGS, None, SimpleNamespace(chunk_tokens=1024))
+
+
+def worker(out_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    results = {}
+    for layout in LAYOUTS:
+        pd = ParallelDims(*layout, world_size=dist.get_world_size())
+        pd.build_mesh("cpu")
+        dp_ranks = [None] * 4
+        dist.all_gather_object(dp_ranks, pd.dp_rank)
+        results[str(layout)] = {
+            "dp_ranks": dp_ranks,
+            "dp_size": pd.dp_mesh.size() if pd.dp_mesh is not None else None,
+            "fsdp_shape": list(pd.fsdp_mesh.shape) if pd.fsdp_mesh is not None else None,
+            "tp_size": pd.tp_mesh.size() if pd.tp_mesh is not None else None,
+        }
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_meshes_on_four_ranks(tmp_path):
+    out = tmp_path / "meshes.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    proc = subprocess.run(
+        [*cmd, __file__, str(out)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    # Row-major (dp_replicate, dp_shard, tp): TP neighbours share a dp rank.
+    assert res["(1, 4, 1)"] == {
+        "dp_ranks": [0, 1, 2, 3], "dp_size": 4, "fsdp_shape": [4], "tp_size": None
+    }  # fmt: skip
+    assert res["(2, 2, 1)"]["fsdp_shape"] == [2, 2]  # HSDP: (replicate, shard)
+    assert res["(4, 1, 1)"]["fsdp_shape"] == [4, 1]  # pure replication via HSDP, shard group 1
+    assert res["(1, 2, 2)"] == {
+        "dp_ranks": [0, 0, 1, 1], "dp_size": 2, "fsdp_shape": [2], "tp_size": 2
+    }  # fmt: skip
+    assert res["(2, 1, 2)"]["dp_ranks"] == [0, 0, 1, 1]
+    assert res["(1, 1, 4)"] == {
+        "dp_ranks": [0, 0, 0, 0], "dp_size": None, "fsdp_shape": None, "tp_size": 4
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
