@@ -140,7 +140,10 @@ def _from_named(name: str, limit: int) -> Tokenizer:
         n_mergeable = min(specials.values())
         if limit > n_mergeable:
             raise ValueError(f"vocab_limit={limit} exceeds the {n_mergeable} BPE ranks of {name}")
-        ranks = {base.decode_single_token_bytes(i): i for i in range(limit)}
+        try:
+            ranks = {base.decode_single_token_bytes(i): i for i in range(limit)}
+        except KeyError as e:  # a gap in the ids below the specials (cl100k has one at 100256)
+            raise ValueError(f"vocab_limit={limit} reaches past {name}'s BPE ranks") from e
         ranks = _limit_ranks(ranks, limit, name)
         # Specials keep their relative order but move right after the kept ranks.
         order = sorted(specials, key=specials.get)
