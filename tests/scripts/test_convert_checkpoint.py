@@ -102,16 +102,18 @@ def test_dcp_to_torch_file_with_export_dtype(debug_ckpt):
         assert sd[name].dtype == torch.bfloat16 and torch.equal(sd[name], p.bfloat16()), name
 
 
-def test_cli_errors_are_one_line_with_the_fix(debug_ckpt, tmp_path):
+def test_cli_errors_are_one_line_with_the_fix(debug_ckpt, tmp_path, capsys):
     root, _, _, step_dir = debug_ckpt
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     cases = [
-        (["dcp-to-hf", str(step_dir), str(tmp_path / "x")], "need --flavor"),
         (["dcp-to-hf", str(step_dir), str(tmp_path / "x"), "--flavor", "8B"], "flavor 8B has dim"),
         (["hf-to-dcp", str(tmp_path), str(tmp_path / "y")], "needs config.json"),
         (["dcp-to-torch", str(tmp_path), str(tmp_path / "z.pt")], "not a DCP checkpoint"),
     ]
     for argv, msg in cases:
-        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True,
-                              text=True)  # fmt: skip
-        assert proc.returncode == 2 and msg in proc.stderr, (argv, proc.stderr[-2000:])
+        assert conv.main(argv) == 2
+        assert msg in capsys.readouterr().err, argv
+    # once as a user runs it: a real process, exit status 2, one line on stderr
+    argv = ["dcp-to-hf", str(step_dir), str(tmp_path / "x")]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert proc.returncode == 2 and "need --flavor" in proc.stderr, proc.stderr[-2000:]
