@@ -30,23 +30,34 @@ ARGS = ModelArgs(
     dim=64, n_layers=3, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=32, max_seq_len=32
 )
 SEED, STEPS, GLOBAL_BATCH, SEQ = 7, 3, 8, 16
-# name -> (dp_replicate, dp_shard, tp, loss_parallel, ac_mode, ac_option)
+# name -> ((dp_replicate, dp_shard, tp), options for cfgs); each option is exercised somewhere.
 LAYOUTS = {
-    "fsdp4": (1, 4, 1, False, "none", "op"),
-    "hsdp2x2_fullac": (2, 2, 1, False, "full", "op"),
-    "tp4": (1, 1, 4, False, "none", "op"),
-    "fsdp2_tp2_sac": (1, 2, 2, False, "selective", "op"),
-    "fsdp2_tp2_lossparallel": (1, 2, 2, True, "none", "op"),
+    "fsdp4": ((1, 4, 1), {}),
+    "hsdp2x2_fullac": ((2, 2, 1), {"ac_mode": "full", "reshard": "always"}),
+    "tp4": ((1, 1, 4), {}),
+    "fsdp2_tp2_sac": ((1, 2, 2), {"ac_mode": "selective", "reshard": "never"}),
+    "fsdp2_tp2_lossparallel": (
+        (1, 2, 2),
+        {"loss_parallel": True, "ac_mode": "selective", "ac_option": "2"},
+    ),
+    "fsdp4_bf16": ((1, 4, 1), {"param_dtype": "bfloat16"}),
 }
 
 
-def cfgs(loss_parallel=False, ac_mode="none", ac_option="op", compile_=False):
+def cfgs(
+    loss_parallel=False,
+    ac_mode="none",
+    ac_option="op",
+    compile_=False,
+    reshard="default",
+    param_dtype="float32",
+):
     return dict(
         parallelism_cfg=SimpleNamespace(
-            enable_loss_parallel=loss_parallel, fsdp_reshard_after_forward="default"
+            enable_loss_parallel=loss_parallel, fsdp_reshard_after_forward=reshard
         ),
         training_cfg=SimpleNamespace(
-            mixed_precision_param="float32", mixed_precision_reduce="float32"
+            mixed_precision_param=param_dtype, mixed_precision_reduce="float32"
         ),
         ac_cfg=SimpleNamespace(mode=ac_mode, selective_ac_option=ac_option),
         compile_cfg=SimpleNamespace(enable=compile_, backend="inductor"),
@@ -102,13 +113,14 @@ def full(p):
 
 def run_layout(name, ref_state, ref_rope):
     """Build meta -> parallelize -> to_empty -> init; check init, shards; train. Rank-0 result."""
-    r, s, t, lp, ac_mode, ac_opt = LAYOUTS[name]
-    pd = ParallelDims(r, s, t, int(os.environ["WORLD_SIZE"]))
+    degrees, options = LAYOUTS[name]
+    lp = options.get("loss_parallel", False)
+    pd = ParallelDims(*degrees, int(os.environ["WORLD_SIZE"]))
     pd.validate_model(ARGS, SimpleNamespace(enable_loss_parallel=lp))
     mesh = pd.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parallelize_llama(model, pd, mesh, **cfgs(lp, ac_mode, ac_opt))
+    parallelize_llama(model, pd, mesh, **cfgs(**options))
     model.to_empty(device="cpu")
     init_weights_parallel(model, ARGS, SEED, "cpu")
     state = {k: full(v) for k, v in model.state_dict().items()}
@@ -162,8 +174,10 @@ def test_layout_matches_single_process(name, parallel_results, reference_run):
     assert res["init_diff"] == 0.0, "parallel init must equal single-process init bitwise"
     assert res["rope_ok"]
     assert res["keys"] == sorted(reference_model().state_dict())  # wrappers leave clean names
-    assert res["losses"] == pytest.approx(ref_losses, rel=1e-4)
-    assert res["norms"] == pytest.approx(ref_norms, rel=1e-4)
+    # bf16 compute, fp32 master weights and reductions: measured 2e-4 (loss), 9e-4 (norm).
+    rel = 5e-3 if name.endswith("bf16") else 1e-4
+    assert res["losses"] == pytest.approx(ref_losses, rel=rel)
+    assert res["norms"] == pytest.approx(ref_norms, rel=rel)
 
 
 def test_fsdp_shards_params_and_tp_splits_heads(parallel_results):
@@ -198,14 +212,17 @@ def test_activation_checkpointing_matches_eager(ac_mode, option):
         torch.testing.assert_close(g, ref_grads[k.replace("_checkpoint_wrapped_module.", "")])
 
 
-def test_compiled_blocks_match_eager():
+def test_compiled_blocks_with_selective_ac_match_eager():
+    """The full per-block stack (SAC inside compile); inductor's cold compile dominates (~30 s)."""
     pd = ParallelDims(1, 1, 1, 1)
     ref_loss, ref_grads = one_step(reference_model())
-    model = parallelize_llama(reference_model(), pd, None, **cfgs(compile_=True))
+    options = cfgs(compile_=True, ac_mode="selective", ac_option="op")
+    model = parallelize_llama(reference_model(), pd, None, **options)
     loss, grads = one_step(model)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for k, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[k.replace("_orig_mod.", "")], rtol=1e-4, atol=1e-5)
+        name = k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5)
 
 
 def test_invalid_ac_option():
