@@ -114,7 +114,9 @@ class Trainer:
                 f"({pd.dp_degree}) = {t.local_batch_size * pd.dp_degree}"
             )
         self.mesh = pd.build_mesh(self.device.type)
-        self.loader = build_dataloader(t, self.tokenizer, pd.dp_rank, pd.dp_degree)
+        self.loader = build_dataloader(
+            t, self.tokenizer, pd.dp_rank, pd.dp_degree, validation_cfg=cfg.validation
+        )
         self.val_loader = (
             build_dataloader(
                 t, self.tokenizer, pd.dp_rank, pd.dp_degree, "validation", cfg.validation

@@ -1,0 +1,71 @@
+"""train.py end to end, as a user runs it: real processes, the embedded data, the debug model."""
+
+import pytest
+import tomllib
+from conftest import read_jsonl
+
+# Small and fast: the debug shape with a short sequence, fp32 so numbers are comparable.
+FAST = [
+    "--job.config_file", "debug_model.toml",
+    "--training.seq_len", "64",
+    "--training.local_batch_size", "4",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2",
+]  # fmt: skip
+
+
+def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
+    out = tmp_path / "run"
+    proc = train_runner(
+        [*FAST, "--training.steps", "30", "--metrics.log_freq", "5", "--job.dump_folder", str(out)]
+    )
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30]
+    keys = {"step", "loss", "grad_norm", "lr", "wps", "tflops", "mfu", "memory_gib"}
+    keys |= {"data_time_pct", "elapsed_s"}
+    for r in rows:
+        assert keys <= r.keys()
+        assert r["wps"] > 0 and r["mfu"] > 0 and r["memory_gib"] > 0
+    # ln(2048) = 7.6 at init; the falling loss shows the whole pipeline learns.
+    assert rows[0]["loss"] > 7.0
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    resolved = tomllib.loads((out / "config.toml").read_text())
+    assert resolved["training"]["steps"] == 30
+    assert "mfu" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--training.stpes", "3"], "did you mean --training.steps"),
+        (["--training.steps", "ten"], "int"),
+        (["--job.config_file", "no_such.toml"], "no_such.toml"),
+        (["--training.global_batch_size", "6"], "multiple"),
+        (["--parallelism.tensor_parallel_degree", "3"], "world size"),
+        (
+            ["--training.dataset", "local", "--training.dataset_path", "/no/such/*.jsonl"],
+            "/no/such",
+        ),
+        (["--model.flavor", "9B"], "debugmodel"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, train_runner, args, expected):
+    proc = train_runner([*FAST, "--job.dump_folder", str(tmp_path), *args], check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_nonfinite_loss_stops_with_the_step_named(tmp_path, train_runner):
+    # An absurd learning rate blows the weights up after the first update.
+    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "5"]
+    proc = train_runner([*args, "--optimizer.lr", "1e30"], check=False)
+    assert proc.returncode != 0
+    assert "non-finite values at step" in proc.stderr + proc.stdout
+
+
+def test_nonfinite_steps_can_be_skipped(tmp_path, train_runner):
+    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
+    proc = train_runner([*args, "--optimizer.lr", "1e30", "--training.on_nonfinite", "skip"])
+    assert "skipped" in proc.stderr + proc.stdout
