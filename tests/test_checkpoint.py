@@ -415,7 +415,7 @@ def test_resume_across_parallelisms(tmp_path, train_runner):
                   "--job.dump_folder", str(one)])  # fmt: skip
     shutil.copytree(one / "checkpoint" / "step-4", four / "checkpoint" / "step-4")
     train_runner([*FAST, "--training.steps", "8", "--checkpoint.interval", "4",
-                  "--parallelism.tensor_parallel_degree", "2",
+                  "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2",
                   "--job.dump_folder", str(four)], nproc=4)  # fmt: skip
     a, b = _losses(one), _losses(four)
     assert sorted(b) == [5, 6, 7, 8]
