@@ -131,10 +131,14 @@ def test_chunked_saves_no_logits():
     assert saved_bytes(plain, h, w, labels) >= n_tok * vocab * 4  # the full log-softmax
 
 
-def test_bad_chunk_tokens():
+def test_bad_chunk_tokens_and_labels():
     h, w, labels = make_inputs()
     with pytest.raises(ValueError, match="chunk_tokens"):
         linear_cross_entropy_sum(h, w, labels, 0)
+    for bad in (V, -1):
+        labels[1, 3] = bad
+        with pytest.raises(ValueError, match=f"got \\[{bad}\\]"):
+            linear_cross_entropy_sum(h, w, labels, 8)
 
 
 def _free_port():

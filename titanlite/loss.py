@@ -135,6 +135,17 @@ def _tp_local_inputs(h, weight: DTensor):
     return h, local, vocab_start, mesh.get_group()
 
 
+def _check_labels(labels: torch.Tensor, vocab: int) -> None:
+    # F.cross_entropy rejects such labels; the chunked path would silently count them as
+    # "another rank's vocab slice", so check here (one host sync per call).
+    bad = (labels >= vocab) | ((labels < 0) & (labels != IGNORE_INDEX))
+    if bad.any():
+        raise ValueError(
+            f"labels must be in [0, {vocab}) or {IGNORE_INDEX}, got {labels[bad][:5].tolist()}; "
+            "is the tokenizer's vocabulary larger than the model's vocab_size?"
+        )
+
+
 def linear_cross_entropy_sum(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
 ) -> torch.Tensor:
@@ -145,13 +156,14 @@ def linear_cross_entropy_sum(
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 for the chunked loss, got {chunk_tokens}")
+    if isinstance(labels, DTensor):
+        labels = labels.full_tensor()
+    _check_labels(labels, weight.shape[0])
     vocab_start, group = 0, None
     if isinstance(weight, DTensor):
         h, weight, vocab_start, group = _tp_local_inputs(h, weight)
     elif isinstance(h, DTensor):
         raise ValueError("h is a DTensor but the output weight is not; both must come from TP")
-    if isinstance(labels, DTensor):
-        labels = labels.full_tensor()
     flat_h = h.reshape(-1, h.shape[-1])  # [b, s, d] -> [N, d]
     flat_y = labels.reshape(-1)  # [b, s] -> [N]
     return _LinearCrossEntropySum.apply(flat_h, weight, flat_y, chunk_tokens, vocab_start, group)
