@@ -141,6 +141,8 @@ class Trainer:
             self.scheduler,
             self.loader,
             self.state,
+            dp_rank=self.parallel_dims.dp_rank,
+            dp_degree=self.parallel_dims.dp_degree,
         )
         self.autocast = autocast_ctx(cfg, self.parallel_dims, self.device)
         self.loss_parallel = lambda: loss_parallel_ctx(cfg.parallelism.enable_loss_parallel)
