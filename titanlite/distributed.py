@@ -81,6 +81,19 @@ def dist_max(tensor: torch.Tensor, mesh_or_group=None) -> torch.Tensor:
     return _all_reduce(tensor, dist.ReduceOp.MAX, mesh_or_group)
 
 
+def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """get_total_norm, accumulated in fp64 on CPU.
+
+    CPU fp32 norm kernels drift by ~1e-4 relative on a 25M-element grad (debug model's output
+    layer), by a different amount for each shard layout; fp64 makes the norm layout-invariant.
+    GPU kernels reduce in a tree and stay in the grads' dtype. For DTensor grads each norm is a
+    partial DTensor, reduced over the mesh by the caller's full_tensor().
+    """
+    acc = torch.float64 if grads[0].device.type == "cpu" else None
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
@@ -100,9 +113,9 @@ def clip_grad_norm_(
         return torch.zeros(())
     norms = []
     for ps in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in ps], norm_type)
+        n = _total_norm([p.grad for p in ps], norm_type)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type).float()
     if max_norm > 0 and torch.isfinite(total):
         for ps in groups.values():
             # Takes PARAMS (it reads p.grad); passing grads would silently clip nothing.
