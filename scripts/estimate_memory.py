@@ -1,0 +1,87 @@
+"""Estimate per-GPU peak memory of a training config without a GPU.
+
+    python scripts/estimate_memory.py --job.config_file llama_8b.toml --world_size 8
+    python scripts/estimate_memory.py --job.config_file llama_70b.toml --world_size 64 \
+        --parallelism.tensor_parallel_degree 8 --training.local_batch_size 16
+
+Every train.py option is accepted (same parser). Extra options, stripped before parsing:
+  --world_size N    number of ranks (default 1)
+  --vocab_size N    skip building the tokenizer (default: its padded size; Llama 3's 128256 when
+                    the configured tokenizer file is missing, e.g. on a laptop)
+  --device cpu      no CUDA context allowance or fragmentation factor
+The assumptions are in titanlite/memory_estimate.py's docstring; measured error in
+docs/performance.md.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlite.config import ConfigError, parse_args  # noqa: E402
+from titanlite.memory_estimate import GIB, estimate, setup_from_config  # noqa: E402
+
+LLAMA3_VOCAB = 128256
+_EXTRA = {"--world_size": int, "--vocab_size": int, "--device": str}
+
+
+def split_extra(argv: list[str]) -> tuple[dict, list[str]]:
+    """Pull our own options (--name v or --name=v) out of argv; the rest goes to parse_args."""
+    extra, rest, i = {}, [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in _EXTRA:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                i += 1
+                value = argv[i]
+            try:
+                extra[name[2:]] = _EXTRA[name](value)
+            except ValueError:
+                raise ConfigError(
+                    f"{name}: expected {_EXTRA[name].__name__}, got {value!r}"
+                ) from None
+        else:
+            rest.append(argv[i])
+        i += 1
+    return extra, rest
+
+
+def vocab_size_of(cfg) -> int:
+    from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.models.llama.args import pad_vocab
+
+    try:
+        return pad_vocab(build_tokenizer(cfg.model).n_words)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        print(f"note: tokenizer not available ({e}); using Llama 3's vocab {LLAMA3_VOCAB}")
+        return LLAMA3_VOCAB
+
+
+def main(argv: list[str]) -> int:
+    try:
+        extra, rest = split_extra(argv)
+        cfg = parse_args(rest)
+        vocab = extra.get("vocab_size") or vocab_size_of(cfg)
+        world = extra.get("world_size", 1)
+        setup = setup_from_config(cfg, world, vocab, extra.get("device", "cuda"))
+    except (ConfigError, ValueError) as e:
+        print(f"estimate_memory: error: {e}", file=sys.stderr)
+        return 2
+    est = estimate(setup)
+    s = setup
+    print(
+        f"{cfg.model.flavor}: {est.num_params / 1e9:.3f} B params, vocab {vocab}; world {world} "
+        f"= dp_replicate {s.dp_replicate} x dp_shard {s.dp_shard} x tp {s.tp}; local batch "
+        f"{s.local_batch_size} x seq {s.seq_len}; AC {s.ac_mode}"
+        + (f" ({s.selective_ac_option})" if s.ac_mode == "selective" else "")
+        + f"; loss chunk {s.chunk_tokens or 'off'}; {s.param_dtype}; device {s.device}"
+    )
+    print(est.table())
+    print(f"estimated peak per rank: {est.total / GIB:.1f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,254 @@
+"""Per-rank peak memory of a titanlite training step, estimated without a GPU.
+
+peak = params + grads + optimizer states                      (persistent, sharded)
+     + max(forward/backward peak, optimizer-step peak)         (transient)
+     + fixed allowance (CUDA context, NCCL buffers, allocator slack; 0 on CPU)
+
+Assumptions (each one is a place the estimate can be wrong; docs/performance.md has the measured
+error):
+- Parameters are counted on a meta-device Transformer, so the count is exact. Master weights, grads
+  and the two AdamW states are fp32. FSDP shards every parameter 1/dp_shard (dim-0 padding
+  ignored); replication (HSDP) does not shard. TP splits the block linears, the embedding and the
+  output projection 1/tp; the RMSNorm weights stay replicated.
+- Grads are counted whole for the whole step (an upper bound: they appear as backward frees the
+  activations).
+- FSDP keeps the root's unsharded param_dtype weights (embedding, final norm, output) for the
+  whole step, and 2 blocks' unsharded weights in flight (current + prefetched) plus one block's
+  unsharded fp32 gradient waiting for its reduce-scatter.
+- One process with bf16 runs under autocast, whose cache holds a bf16 copy of every matmul weight
+  through forward and backward; the residual stream stays fp32 there.
+- Activations per block and token follow this repo's model.py (eager, no fusion): saved tensors of
+  9 x dim + 4 x ffn_dim elements (norm in/out x2, q/k/v after RoPE, SDPA output, wo input, w1/w3
+  outputs, silu output, the gated product; GQA k/v are repeated before SDPA so they count at
+  full dim). Under TP with sequence parallel everything but the two all-gathered norm outputs is
+  divided by tp. Selective 'op' AC keeps the matmul and SDPA outputs and the block input; full AC
+  keeps the block input; selective 'N' makes every Nth block full AC. With AC one block's full
+  activations are rebuilt in backward. One more block's worth is allowed for gradient buffers.
+- Loss: unchunked, the fp32 logits exist three times at the start of backward (saved
+  log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits; chunked, one
+  chunk's logits (fp32 + param_dtype copy) plus the fp32 [vocab, dim] weight-gradient
+  accumulator. Loss parallel divides the vocab by tp.
+- torch.compile fuses elementwise ops and saves less; it is not modelled (an overestimate).
+- The foreach AdamW step allocates about one fp32 copy of the local parameters as temporaries.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from titanlite.models.llama.args import ModelArgs
+from titanlite.models.llama.model import Transformer
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Measured ranges for a torch + NCCL process on H100s are 1-3 GiB; the middle is used.
+DEFAULT_CUDA_OVERHEAD_GIB = 2.0
+# Caching-allocator fragmentation: reserved exceeds the live peak by a few to ~10 percent.
+DEFAULT_CUDA_FRAGMENTATION = 1.10
+
+# Parameter-name suffixes that tensor parallelism splits (apply_tp's plan).
+_TP_SPLIT = (
+    "wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight",
+    "tok_embeddings.weight", "output.weight",
+)  # fmt: skip
+
+
+@dataclass
+class MemorySetup:
+    """Everything that decides one rank's memory; degrees already resolved (no -1)."""
+
+    model_args: ModelArgs
+    local_batch_size: int
+    seq_len: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    ac_mode: str = "none"  # none | full | selective
+    selective_ac_option: str = "op"  # "op" or N (every Nth block)
+    chunk_tokens: int = 0
+    param_dtype: str = "bfloat16"
+    loss_parallel: bool = False
+    reshard_after_forward: str = "default"
+    device: str = "cuda"  # "cpu": no context allowance, no fragmentation factor
+    overhead_gib: float | None = None  # None = DEFAULT_CUDA_OVERHEAD_GIB on cuda, 0 on cpu
+
+    def __post_init__(self):
+        if self.ac_mode not in ("none", "full", "selective"):
+            raise ValueError(f"ac_mode must be none|full|selective, got {self.ac_mode!r}")
+        opt = self.selective_ac_option
+        if self.ac_mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) > 0):
+            raise ValueError(f"selective_ac_option must be 'op' or a positive int, got {opt!r}")
+        if self.param_dtype not in DTYPE_BYTES:
+            raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}")
+        for name in ("dp_replicate", "dp_shard", "tp", "local_batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def fsdp(self) -> bool:
+        # parallelize_llama applies FSDP when the shard degree is > 1 (HSDP when replicate > 1).
+        return self.dp_shard > 1 or self.dp_replicate > 1
+
+    @property
+    def autocast(self) -> bool:
+        return not self.fsdp and self.param_dtype != "float32"
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank, by component, in the order printed."""
+
+    rows: dict[str, float] = field(default_factory=dict)
+    num_params: int = 0
+
+    @property
+    def total(self) -> float:
+        return sum(self.rows.values())
+
+    def table(self) -> str:
+        lines = [f"{'component':<34} {'GiB':>9}", "-" * 44]
+        lines += [f"{name:<34} {b / GIB:>9.3f}" for name, b in self.rows.items()]
+        lines += ["-" * 44, f"{'total (estimated peak per rank)':<34} {self.total / GIB:>9.3f}"]
+        return "\n".join(lines)
+
+
+def param_counts(args: ModelArgs) -> dict[str, int]:
+    """Element counts of the meta-built model: 'tp_split', 'replicated' (norms), 'root' (the
+    parts outside the blocks, FSDP's root unit) and 'block' (one block), 'total'."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    counts = {"tp_split": 0, "replicated": 0, "root": 0, "block": 0, "total": 0}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        counts["total"] += n
+        counts["tp_split" if name.endswith(_TP_SPLIT) else "replicated"] += n
+        if name.startswith("layers.0."):
+            counts["block"] += n
+        elif not name.startswith("layers."):
+            counts["root"] += n
+    return counts
+
+
+def _local_params(counts: dict[str, int], s: MemorySetup) -> float:
+    """Elements of the parameters this rank owns after TP then FSDP sharding."""
+    return (counts["tp_split"] / s.tp + counts["replicated"]) / s.dp_shard
+
+
+def block_activation_elems(s: MemorySetup) -> tuple[float, float, float, float]:
+    """Per token, elements one block saves for backward: (no AC, selective op, full AC, the
+    residual-stream share of the no-AC figure)."""
+    a, tp = s.model_args, s.tp
+    dim, ffn, kv = a.dim, a.ffn_hidden_dim, a.num_kv_heads * a.head_dim
+    # SP: norm inputs/outputs are sequence-sharded; their all-gathered copies (the linears'
+    # saved inputs) are whole; everything inside attention/FFN is head/column-sharded.
+    norm_io = 2 * dim / tp  # attention_norm and ffn_norm inputs (the residual stream)
+    gathered = 2 * dim  # norm outputs as the column-parallel linears save them
+    inner = (5 * dim + 4 * ffn) / tp  # q, k, v (repeated), sdpa out, wo input; w1, silu, w3, prod
+    full = norm_io + gathered + inner
+    # Selective op: block input + mm outputs (q, k, v before repeat, wo, w1, w3, w2) + sdpa out.
+    sac = dim / tp + (dim + 2 * kv + dim + 2 * ffn + dim + dim) / tp
+    ckpt = dim / tp  # full AC: the block input only
+    return full, sac, ckpt, norm_io
+
+
+def activation_bytes(s: MemorySetup) -> float:
+    """Saved activations of all blocks plus the recompute and gradient working set."""
+    a = s.model_args
+    tokens = s.local_batch_size * s.seq_len
+    act = DTYPE_BYTES[s.param_dtype]
+    full, sac, ckpt, residual = block_activation_elems(s)
+    # Autocast keeps the residual stream (norm inputs) in fp32.
+    full_bytes = full * act + (residual * (4 - act) if s.autocast else 0)
+    if s.ac_mode == "none":
+        saved = a.n_layers * full_bytes
+    elif s.ac_mode == "full":
+        saved = a.n_layers * ckpt * act + full_bytes  # + one block rebuilt in backward
+    elif s.selective_ac_option == "op":
+        saved = a.n_layers * sac * act + (full_bytes - sac * act)
+    else:
+        every = int(s.selective_ac_option)
+        n_ckpt = a.n_layers // every
+        saved = n_ckpt * ckpt * act + (a.n_layers - n_ckpt) * full_bytes + full_bytes
+    return tokens * (saved + full_bytes)  # + one block of gradient buffers
+
+
+def loss_bytes(s: MemorySetup) -> float:
+    """Logits and their gradients at the loss, the largest single term for big vocabularies."""
+    a = s.model_args
+    tokens = s.local_batch_size * s.seq_len
+    act = DTYPE_BYTES[s.param_dtype if s.fsdp or s.autocast else "float32"]
+    vocab = a.vocab_size / s.tp if s.loss_parallel else a.vocab_size
+    if s.chunk_tokens <= 0:
+        return tokens * vocab * (3 * 4 + (act if act != 4 else 0))
+    chunk = min(s.chunk_tokens, tokens)
+    w_grad = a.vocab_size / s.tp * a.dim * 4  # fp32 accumulator of the (local) output weight
+    return chunk * vocab * (4 + act) + w_grad
+
+
+def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
+    """Unsharded weights and grads that FSDP (or autocast) materializes during the step."""
+    pb = DTYPE_BYTES[s.param_dtype]
+    if s.autocast:
+        return (counts["total"] - counts["root"] + counts["root"] / 2) * pb  # cached casts
+    if not s.fsdp:
+        return 0.0
+    per_tp = lambda n: n / s.tp  # noqa: E731 - block weights are TP-local before the gather
+    root = per_tp(counts["root"]) * pb  # the root stays unsharded for the whole step
+    blocks = 2 * per_tp(counts["block"]) * pb + per_tp(counts["block"]) * 4  # gather + RS input
+    if s.reshard_after_forward == "never":
+        blocks = s.model_args.n_layers * per_tp(counts["block"]) * pb
+    return root + blocks
+
+
+def estimate(s: MemorySetup) -> MemoryEstimate:
+    counts = param_counts(s.model_args)
+    local = _local_params(counts, s)
+    cuda = s.device == "cuda"
+    frag = DEFAULT_CUDA_FRAGMENTATION if cuda else 1.0
+    default = DEFAULT_CUDA_OVERHEAD_GIB if cuda else 0.0
+    overhead = s.overhead_gib if s.overhead_gib is not None else default
+    est = MemoryEstimate(num_params=counts["total"])
+    est.rows["params (fp32, sharded)"] = local * 4
+    est.rows["grads (fp32, sharded)"] = local * 4
+    est.rows["AdamW states (2 x fp32)"] = local * 8
+    fwd_bwd = fsdp_buffer_bytes(counts, s) + activation_bytes(s) + loss_bytes(s)
+    optim_step = local * 4  # foreach temporaries
+    if fwd_bwd >= optim_step:
+        est.rows["unsharded weights / casts"] = fsdp_buffer_bytes(counts, s) * frag
+        est.rows[f"activations (AC {s.ac_mode})"] = activation_bytes(s) * frag
+        est.rows["logits / loss" + (" (chunked)" if s.chunk_tokens else "")] = loss_bytes(s) * frag
+    else:
+        est.rows["optimizer-step temporaries"] = optim_step * frag
+    est.rows["context / NCCL / slack" if cuda else "fixed allowance"] = overhead * GIB
+    return est
+
+
+def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda"):
+    """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`)."""
+    from titanlite.models.llama.args import get_model_args
+    from titanlite.parallel_dims import ParallelDims
+
+    p = cfg.parallelism
+    pd = ParallelDims(
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.tensor_parallel_degree,
+        world_size,
+    )
+    t = cfg.training
+    args = get_model_args(cfg.model.flavor, vocab_size, t.seq_len, cfg.model.use_scaled_rope)
+    return MemorySetup(
+        model_args=args,
+        local_batch_size=t.local_batch_size,
+        seq_len=t.seq_len,
+        dp_replicate=pd.dp_replicate,
+        dp_shard=pd.dp_shard,
+        tp=pd.tp,
+        ac_mode=cfg.activation_checkpoint.mode,
+        selective_ac_option=cfg.activation_checkpoint.selective_ac_option,
+        chunk_tokens=cfg.loss.chunk_tokens,
+        param_dtype=t.mixed_precision_param,
+        loss_parallel=p.enable_loss_parallel and pd.tp > 1,
+        reshard_after_forward=p.fsdp_reshard_after_forward,
+        device=device,
+    )
