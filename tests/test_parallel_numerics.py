@@ -1,0 +1,117 @@
+"""Parallelism proven on CPU: real train.py runs (torchrun, gloo, 4 ranks) give the same per-step
+losses and grad norms as one process, for every layout; bad layouts fail cleanly before any
+weight is built."""
+
+import re
+
+import pytest
+from conftest import read_jsonl, run_train
+
+# The debug model shrunk for speed, fp32 so layouts are comparable to rounding. The global batch
+# is fixed, so each layout splits the same 8 rows differently (1 proc: 4 microbatches of 2).
+BASE = [
+    "--job.config_file", "debug_model.toml",
+    "--model.vocab_limit", "512",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    "--training.global_batch_size", "8",
+    "--training.steps", "8",
+    "--training.mixed_precision_param", "float32",
+    "--metrics.log_freq", "1",
+    "--metrics.peak_tflops", "1",  # skip the CPU matmul calibration: slow on a busy machine
+    "--no-metrics.enable_tensorboard",
+    "--lr_scheduler.warmup_steps", "2",
+]  # fmt: skip
+RTOL = 1e-4
+
+LAYOUTS = {
+    "fsdp4": ["--parallelism.data_parallel_shard_degree", "4"],
+    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"],
+    "tp4": ["--parallelism.tensor_parallel_degree", "4"],
+    "fsdp2xtp2_loss_parallel": [
+        "--parallelism.data_parallel_shard_degree", "2",
+        "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.enable_loss_parallel",
+    ],
+}  # fmt: skip
+# Plain FSDP 2 x TP 2 runs from the seed checkpoint (test below): one 4-rank run covers both.
+FSDP2_TP2 = LAYOUTS["fsdp2xtp2_loss_parallel"][:4]
+
+
+def curves(dump):
+    """[(step, loss, grad_norm)] of a finished run."""
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(dump / "metrics.jsonl")]
+
+
+def worst_deviation(got, ref) -> tuple[float, float]:
+    """Largest relative deviation of loss and of grad norm over all steps."""
+    assert [s for s, _, _ in got] == [s for s, _, _ in ref] == list(range(1, 9))
+    loss = max(abs(g[1] - r[1]) / abs(r[1]) for g, r in zip(got, ref))
+    norm = max(abs(g[2] - r[2]) / abs(r[2]) for g, r in zip(got, ref))
+    return loss, norm
+
+
+def assert_matches(name, got, ref):
+    loss, norm = worst_deviation(got, ref)
+    print(f"\n{name}: worst relative deviation: loss {loss:.2e}, grad_norm {norm:.2e}")
+    assert loss <= RTOL and norm <= RTOL, (name, got, ref)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("ref")
+    run_train([*BASE, "--job.dump_folder", str(dump)])
+    return curves(dump)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(layout, reference, tmp_path, train_runner):
+    train_runner([*BASE, *LAYOUTS[layout], "--job.dump_folder", str(tmp_path)], nproc=4)
+    assert_matches(f"{layout} vs 1 process", curves(tmp_path), reference)
+
+
+def test_seed_checkpoint_then_fsdp_x_tp(reference, tmp_path, train_runner):
+    seed_dump = tmp_path / "seed"
+    seed_args = ["--checkpoint.create_seed_checkpoint", "--checkpoint.enable"]
+    train_runner([*BASE, *seed_args, "--job.dump_folder", str(seed_dump)])
+    step0 = seed_dump / "checkpoint" / "step-0"
+    assert (step0 / ".metadata").exists()
+    assert not read_jsonl(seed_dump / "metrics.jsonl")  # the seed run trains no step
+
+    load = ["--checkpoint.initial_load_path", str(step0)]
+    train_runner([*BASE, *load, "--job.dump_folder", str(tmp_path / "one")])
+    train_runner([*BASE, *load, *FSDP2_TP2, "--job.dump_folder", str(tmp_path / "2d")], nproc=4)
+    one_seeded = curves(tmp_path / "one")
+    assert_matches(
+        "fsdp2xtp2 from seed vs 1 process from seed", curves(tmp_path / "2d"), one_seeded
+    )
+    # Our init is layout-invariant, so starting from the seed changes nothing.
+    assert_matches("1 process from seed vs plain", one_seeded, reference)
+    assert_matches("fsdp2xtp2 from seed vs plain", curves(tmp_path / "2d"), reference)
+
+
+@pytest.mark.parametrize(
+    "nproc, args, expected",
+    [
+        (2, ["--parallelism.data_parallel_shard_degree", "4"], "but the world size is 2"),
+        (3, ["--parallelism.tensor_parallel_degree", "3"], "must divide both n_heads (16)"),
+        (2, ["--parallelism.enable_loss_parallel"], "enable_loss_parallel needs tensor_parallel"),
+    ],
+    ids=["degrees_vs_world", "tp_vs_heads", "loss_parallel_without_tp"],
+)
+def test_bad_layout_fails_cleanly_under_torchrun(nproc, args, expected, tmp_path, train_runner):
+    dump = tmp_path / "run"
+    proc = train_runner([*BASE, *args, "--job.dump_folder", str(dump)], nproc=nproc, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # Each rank that got that far prints the same one line (torchrun may SIGTERM the rest first).
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("titanlite: error:")]
+    assert 1 <= len(errors) <= nproc and len(set(errors)) == 1, proc.stderr
+    assert expected in errors[0]
+    # The worker exits 2 (the config-error code); the only traceback is torchrun's own launcher
+    # reporting the failed child, never a frame of train.py or titanlite.
+    assert re.search(r"exitcode\s*:\s*2\b", proc.stderr), proc.stderr
+    assert not re.search(r'File ".*(train\.py|titanlite)', out), out
+    # Rejected before the model is built: no parameter count logged, nothing written.
+    assert "parameters" not in out
+    assert not dump.exists()
