@@ -1,0 +1,149 @@
+"""titanlite's training step vs a bare PyTorch loop on the same model, data and optimizer.
+
+    python scripts/bench_overhead.py                          # debug model, fp32, batch 8 x 256
+    python scripts/bench_overhead.py --dtype bfloat16 --rounds 5
+    python scripts/bench_overhead.py --custom_model 768,12,12 --batch 1   # ~100M params
+
+One process, in-process: train.py's Trainer is built from the same JobConfig train.py would
+parse, and a bare loop (model(tokens) -> logits -> F.cross_entropy -> backward -> AdamW step ->
+zero_grad, nothing else) runs a second Transformer of the same shape with the same optimizer
+settings on the same microbatches. The two alternate in blocks of --steps steps for --rounds
+rounds after --warmup steps each, so machine load hits both alike; the result is the ratio of
+median step times (trainer / bare; target <= 1.05) and tokens/s of each.
+
+The trainer's step is `loader.next_step()` + `Trainer.train_step` (token count, forward with the
+loss inside the model, backward, global-norm clip, finite check, optimizer and LR schedule step,
+zero_grad): everything train.py's loop does per step except logging every log_freq steps.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from titanlite.config import parse_args  # noqa: E402
+from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
+from titanlite.models.llama.model import Transformer  # noqa: E402
+
+
+def register_custom_flavor(spec: str) -> str:
+    """'dim,n_layers,n_heads' -> a flavor name in the (in-process) flavor table."""
+    try:
+        dim, layers, heads = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--custom_model wants dim,n_layers,n_heads, got {spec!r}") from None
+    name = f"custom_{dim}x{layers}x{heads}"
+    LLAMA3_FLAVORS[name] = ModelArgs(dim=dim, n_layers=layers, n_heads=heads)
+    return name
+
+
+def build_trainer(opts):
+    import train  # the repo root is on sys.path: the real Trainer, not a copy
+
+    flavor = register_custom_flavor(opts.custom_model) if opts.custom_model else opts.flavor
+    cfg = parse_args(
+        [
+            "--job.config_file", "debug_model.toml",
+            "--job.dump_folder", opts.dump_folder,
+            "--model.flavor", flavor,
+            "--training.local_batch_size", str(opts.batch),
+            "--training.seq_len", str(opts.seq_len),
+            "--training.mixed_precision_param", opts.dtype,
+            "--training.steps", "1000000",
+            "--metrics.peak_tflops", "1",  # skip the CPU calibration: no MFU here
+            "--no-metrics.enable_tensorboard", "--no-metrics.enable_jsonl",
+            *opts.overrides,
+        ]
+    )  # fmt: skip
+    trainer = train.Trainer(cfg, train.init_distributed())
+    trainer.build()
+    return trainer
+
+
+def build_bare(trainer, opts):
+    """Same shape, same init scheme, same AdamW hyperparameters (foreach, two groups)."""
+    from titanlite.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = Transformer(trainer.model_args)
+    model.init_weights()
+    optimizer = build_optimizer(model, trainer.cfg.optimizer)
+    dtype = {"float32": None, "bfloat16": torch.bfloat16}[opts.dtype]
+
+    def step(microbatches):
+        for tokens, labels in microbatches:
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                logits = model(tokens)  # [b, s, vocab]
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_steps(fn, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--flavor", default="debugmodel")
+    p.add_argument("--custom_model", default="", help="dim,n_layers,n_heads (overrides flavor)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="steps per block")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (>= 3)")
+    p.add_argument("--dump_folder", default="./outputs/bench_overhead")
+    p.add_argument("overrides", nargs="*", help="extra train.py options (after --)")
+    opts = p.parse_args(argv)
+    if opts.rounds < 3:
+        raise SystemExit("--rounds must be >= 3 (medians of fewer mean little)")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    trainer = build_trainer(opts)
+    bare_step = build_bare(trainer, opts)
+    batch = trainer.loader.next_step()
+    tokens = opts.batch * opts.seq_len
+    runners = {
+        "bare": lambda: bare_step(batch),
+        "titanlite": lambda: trainer.train_step(trainer.loader.next_step()),
+    }
+    print(f"model {trainer.model_args}\n{tokens} tokens/step, {opts.dtype}, threads "
+          f"{torch.get_num_threads()}")  # fmt: skip
+    for fn in runners.values():
+        time_steps(fn, opts.warmup)
+    medians = {name: [] for name in runners}
+    for r in range(opts.rounds):
+        for name, fn in runners.items():
+            times = time_steps(fn, opts.steps)
+            medians[name].append(statistics.median(times))
+            print(f"round {r + 1} {name:>9}: median step {medians[name][-1] * 1e3:8.1f} ms "
+                  f"({tokens / medians[name][-1]:,.0f} tokens/s)", flush=True)  # fmt: skip
+    bare, ours = (statistics.median(medians[k]) for k in ("bare", "titanlite"))
+    ratios = [o / b for o, b in zip(medians["titanlite"], medians["bare"])]
+    print(
+        f"bare {tokens / bare:,.0f} tokens/s, titanlite {tokens / ours:,.0f} tokens/s; "
+        f"step time ratio titanlite/bare = {ours / bare:.3f} (per round: "
+        + ", ".join(f"{x:.3f}" for x in ratios)
+        + ")"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
