@@ -1,0 +1,116 @@
+"""Validation in real runs: val_loss / val_ppl on the right steps, the same on 1 and 2 ranks, and
+token-weighted over the whole held-out split (checked against an in-process evaluation)."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import read_jsonl, run_train
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from titanlite.config import parse_args
+from titanlite.data.loader import build_dataloader
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.models.llama.args import get_model_args, pad_vocab
+from titanlite.models.llama.model import Transformer
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def args(tmp_path_factory):
+    """Documents of 0 to ~60 tokens, one per row (no packing): validation batches hold very
+    different token counts, so a mean of batch means would differ from the token-weighted loss."""
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "x", "y"]
+    with path.open("w") as f:
+        for i in range(64):
+            n = (i * 29) % 57
+            f.write(json.dumps({"text": " ".join(words[(i + j) % 11] for j in range(n))}) + "\n")
+    return [
+        "--job.config_file", "debug_model.toml",
+        "--model.vocab_limit", "512",
+        "--training.dataset", "local",
+        "--training.dataset_path", str(path),
+        "--no-training.packing",
+        "--training.seq_len", "64",
+        "--training.local_batch_size", "2",
+        "--training.global_batch_size", "8",
+        "--training.steps", str(STEPS),
+        "--training.mixed_precision_param", "float32",
+        "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq", "1",
+        "--metrics.peak_tflops", "1",
+        "--no-metrics.enable_tensorboard",
+        "--validation.enable",
+        "--validation.freq", "2",
+        "--validation.steps", "-1",
+        "--validation.holdout_fraction", "0.25",  # 16 held-out documents
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(args, tmp_path_factory):
+    dump = tmp_path_factory.mktemp("one")
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "1000"]  # saves the last step only
+    run_train([*args, *ckpt, "--job.dump_folder", str(dump)])
+    return dump
+
+
+def val_rows(rows):
+    return {r["step"]: r for r in rows if "val_loss" in r}
+
+
+def test_val_metrics_on_the_right_steps(one_process):
+    rows = read_jsonl(one_process / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    val = val_rows(rows)
+    assert sorted(val) == [2, 4]
+    for r in val.values():
+        assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-12)
+        assert 0 < r["val_loss"] < 10
+    assert val[4]["val_loss"] < val[2]["val_loss"]
+
+
+def test_fsdp2_val_loss_matches_one_process(args, one_process, tmp_path):
+    run_train([*args, "--job.dump_folder", str(tmp_path)], nproc=2)
+    ref, got = read_jsonl(one_process / "metrics.jsonl"), read_jsonl(tmp_path / "metrics.jsonl")
+    ref_val, got_val = val_rows(ref), val_rows(got)
+    assert sorted(got_val) == sorted(ref_val) == [2, 4]
+    worst = max(abs(got_val[s]["val_loss"] / ref_val[s]["val_loss"] - 1) for s in ref_val)
+    print(f"\nval_loss FSDP 2 vs 1 process: worst relative deviation {worst:.2e}")
+    assert worst <= 1e-5
+
+
+def test_val_loss_is_token_weighted(args, one_process):
+    """Re-evaluate the held-out split with the saved final weights, in this process."""
+    cfg = parse_args(args)
+    tokenizer = build_tokenizer(cfg.model)
+    model_args = get_model_args(
+        cfg.model.flavor, vocab_size=pad_vocab(tokenizer.n_words), max_seq_len=cfg.training.seq_len
+    )
+    model = Transformer(model_args)
+    model.init_weights()  # rope_cache is not in the checkpoint
+    torch_file = one_process / "final.pt"
+    dcp_to_torch_save(one_process / "checkpoint" / f"step-{STEPS}", torch_file)
+    model.load_state_dict(torch.load(torch_file, weights_only=False)["model"])
+    model.eval()
+    loader = build_dataloader(
+        cfg.training, tokenizer, 0, 1, "validation", validation_cfg=cfg.validation
+    )
+    sums, counts = [], []
+    with torch.no_grad():
+        for tokens, labels in loader.iter_batches():
+            sums.append(model(tokens, labels).item())
+            counts.append((labels != -100).sum().item())
+    assert len(set(counts)) > 1  # batches really differ in token count
+    token_weighted = sum(sums) / sum(counts)
+    mean_of_means = sum(s / c for s, c in zip(sums, counts) if c) / sum(1 for c in counts if c)
+    logged = val_rows(read_jsonl(one_process / "metrics.jsonl"))[STEPS]["val_loss"]
+    print(
+        f"\nval_loss logged {logged:.6f}, token-weighted recomputed {token_weighted:.6f}, "
+        f"mean of batch means {mean_of_means:.6f}"
+    )
+    assert logged == pytest.approx(token_weighted, rel=1e-5)
+    assert abs(mean_of_means - token_weighted) > 100 * 1e-5 * token_weighted
