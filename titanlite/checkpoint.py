@@ -37,6 +37,13 @@ logger = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 EXCLUDABLE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+# What a run gets instead of a part it was told not to load.
+_FRESH = {
+    "optimizer": "the optimizer state starts fresh (zero moments)",
+    "lr_scheduler": "the LR schedule starts from its first step (warmup again)",
+    "dataloader": "the data starts again from its first batch, at the global position 0",
+    "train_state": "training restarts at step 0 with this process's RNG",
+}
 _STEP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")
 
 
@@ -307,11 +314,20 @@ class CheckpointManager:
         try:
             saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         except Exception as e:
-            raise RuntimeError(f"cannot read checkpoint metadata of {path}: {e}") from e
+            raise RuntimeError(
+                f"cannot read checkpoint metadata {path / '.metadata'} ({e}): the checkpoint is "
+                f"damaged; delete {path} to resume from an older one, or pick one with "
+                "--checkpoint.load_step"
+            ) from e
         meta = self._read(path, {"meta": b""})["meta"] if "meta" in saved else b""
         meta = pickle.loads(meta) if meta else {"model_only": True}
         parts = set() if weights_only or meta["model_only"] else set(EXCLUDABLE)
         parts -= set(self.cfg.exclude_from_loading)
+        if not weights_only and not meta["model_only"]:
+            for part in sorted(set(self.cfg.exclude_from_loading)):
+                logger.warning(
+                    "%s not loaded (checkpoint.exclude_from_loading): %s", part, _FRESH[part]
+                )
 
         if "optimizer" in parts:
             msd, osd = get_state_dict(self.model, self.optimizer)
