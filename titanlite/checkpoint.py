@@ -165,6 +165,11 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- save
     def maybe_save(self, step: int, last_step: bool = False) -> None:
+        if self._pending is not None and self._pending[0].done():
+            # Publish a finished async save now rather than at the next save, so a crash in
+            # between does not leave a fully written checkpoint as an ignored `.tmp` folder.
+            # Rank-local: DCP's future completes only after every rank's data is on disk.
+            self.wait()
         if not self.cfg.enable or step == self._last_saved:
             return
         if step % self.cfg.interval == 0 or last_step:
