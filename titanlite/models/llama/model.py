@@ -62,6 +62,16 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)  # [b, s, h, hd/2, 2] -> [b, s, h, hd]
 
 
+def init_embedding_(embedding: nn.Embedding) -> None:
+    nn.init.normal_(embedding.weight)
+
+
+def init_output_(output: nn.Linear) -> None:
+    # 1/sqrt(dim) keeps the initial logits O(1), so the first loss is close to ln(vocab).
+    std = output.in_features**-0.5
+    nn.init.trunc_normal_(output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -163,12 +173,13 @@ class Transformer(nn.Module):
         """
         with torch.device(buffer_device or self.rope_cache.device):
             self.rope_cache = precompute_rope_cache(self.args)
-        nn.init.normal_(self.tok_embeddings.weight)
+        # This order (embedding, blocks, norm, output) is the RNG stream that
+        # parallelize.init_weights_parallel replays unit by unit.
+        init_embedding_(self.tok_embeddings)
         for layer in self.layers.values():
             layer.init_weights()
         self.norm.reset_parameters()
-        std = self.args.dim**-0.5
-        nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        init_output_(self.output)
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count (global under FSDP/TP: DTensor.numel() is the full size)."""

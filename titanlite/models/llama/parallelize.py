@@ -23,7 +23,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titanlite.models.llama.model import TransformerBlock, precompute_rope_cache
+from titanlite.models.llama.model import (
+    TransformerBlock,
+    init_embedding_,
+    init_output_,
+    precompute_rope_cache,
+)
 from titanlite.parallel_dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -258,7 +263,7 @@ def init_weights_parallel(model: nn.Module, model_args, seed: int, device) -> No
         torch.manual_seed(seed)
         # Same order as Transformer.init_weights: embedding, blocks, norm, output.
         emb = _cpu_unit(lambda: nn.Embedding(model_args.vocab_size, model_args.dim))
-        nn.init.normal_(emb.weight)
+        init_embedding_(emb)
         _copy_unit(model.tok_embeddings, emb)
         del emb
         for key, block in model.layers.items():
@@ -269,8 +274,7 @@ def init_weights_parallel(model: nn.Module, model_args, seed: int, device) -> No
         norm.reset_parameters()
         _copy_unit(model.norm, norm)
         out = _cpu_unit(lambda: nn.Linear(model_args.dim, model_args.vocab_size, bias=False))
-        std = model_args.dim**-0.5
-        nn.init.trunc_normal_(out.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        init_output_(out)
         _copy_unit(model.output, out)
     # Non-persistent buffer: to_empty left it uninitialized.
     with torch.device(device):
