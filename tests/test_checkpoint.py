@@ -1,11 +1,9 @@
 """CheckpointManager: round trips, atomicity, pruning, errors, async, preemption; single process
 unless a test says otherwise (multi-process tests launch real gloo workers)."""
 
-import json
 import logging
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -376,85 +374,3 @@ def test_fsdp_async_save_reshards_to_fewer_ranks_and_one_process(tmp_path):
         st = mgr.optimizer.state[p]
         assert torch.equal(st["exp_avg"], optim_sd["state"][name]["exp_avg"]), name
         assert torch.equal(st["exp_avg_sq"], optim_sd["state"][name]["exp_avg_sq"]), name
-
-
-# ---------------------------------------------------------------- train.py end to end
-FAST = [
-    "--job.config_file", "debug_model.toml",
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "4",
-    "--training.mixed_precision_param", "float32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-    "--checkpoint.enable",
-]  # fmt: skip
-
-
-def _losses(folder):
-    rows = [json.loads(x) for x in (Path(folder) / "metrics.jsonl").read_text().splitlines() if x]
-    return {r["step"]: r["loss"] for r in rows}
-
-
-def test_resume_is_bitwise_identical(tmp_path, train_runner):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train_runner([*FAST, "--training.steps", "12", "--checkpoint.interval", "6",
-                  "--job.dump_folder", str(straight)])  # fmt: skip
-    # Resume from the straight run's step 6 (same config, so the same LR schedule).
-    shutil.copytree(straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6")
-    train_runner([*FAST, "--training.steps", "12", "--checkpoint.interval", "6",
-                  "--job.dump_folder", str(resumed)])  # fmt: skip
-    a, b = _losses(straight), _losses(resumed)
-    assert sorted(b) == list(range(7, 13))
-    assert [a[s] for s in b] == list(b.values())  # exact floats, not approx
-
-
-def test_resume_across_parallelisms(tmp_path, train_runner):
-    """A one-process checkpoint resumes under FSDP 2 x TP 2 (4 ranks): same losses to rounding."""
-    one, four = tmp_path / "one", tmp_path / "four"
-    train_runner([*FAST, "--training.steps", "8", "--checkpoint.interval", "4",
-                  "--job.dump_folder", str(one)])  # fmt: skip
-    shutil.copytree(one / "checkpoint" / "step-4", four / "checkpoint" / "step-4")
-    train_runner([*FAST, "--training.steps", "8", "--checkpoint.interval", "4",
-                  "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "2",
-                  "--job.dump_folder", str(four)], nproc=4)  # fmt: skip
-    a, b = _losses(one), _losses(four)
-    assert sorted(b) == [5, 6, 7, 8]
-    for s in b:
-        assert abs(a[s] - b[s]) < 1e-4 * abs(a[s]), (s, a[s], b[s])
-
-
-def test_sigterm_saves_and_the_rerun_continues(tmp_path):
-    out = tmp_path / "run"
-    args = [*FAST, "--training.steps", "400", "--checkpoint.interval", "1000",
-            "--job.dump_folder", str(out)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(REPO / "train.py"), *args]
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    jsonl = out / "metrics.jsonl"
-    for _ in range(2400):  # until a few steps ran (the first run also tokenizes)
-        if jsonl.exists() and len(jsonl.read_text().splitlines()) >= 3 or proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    log = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 0, log[-3000:]
-    complete = scan_checkpoints(out / "checkpoint")[0]
-    assert len(complete) == 1, log[-3000:]
-    (stopped,) = complete
-    assert 3 <= stopped < 400 and max(_losses(out)) == stopped
-
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    for _ in range(2400):
-        if len(_losses(out)) > stopped + 1 or proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)  # SLURM's warning signal works the same way
-    log = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 0, log[-3000:]
-    steps = [json.loads(x)["step"] for x in jsonl.read_text().splitlines()]
-    assert steps[stopped] == stopped + 1  # the rerun continued after the saved step
-    assert max(scan_checkpoints(out / "checkpoint")[0]) > stopped
