@@ -1,0 +1,115 @@
+"""How long a checkpoint save blocks the training loop, sync vs async (one process).
+
+    python scripts/bench_checkpoint.py                       # debugmodel and 1B with 4 layers
+    python scripts/bench_checkpoint.py --models 1B:16 --saves 5 --folder /fast/disk/tmp
+
+For each model: fp32 weights plus AdamW state (after one real step, so the moments exist), saved
+through CheckpointManager `--saves` times per mode. "blocked" is how long `save()` holds the caller:
+the whole write when sync; for async only the staging copy into CPU memory (the write continues in
+a background thread). "written" is until the checkpoint is complete on disk (`wait()` returned).
+Prints medians as a markdown table. Async mode needs memory for the state twice (the staged copy).
+"""
+
+import argparse
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titanlite.checkpoint import CheckpointManager  # noqa: E402
+from titanlite.config import Checkpoint  # noqa: E402
+from titanlite.models.llama.args import get_model_args  # noqa: E402
+from titanlite.models.llama.model import Transformer  # noqa: E402
+
+
+class _State:
+    """Stands in for the data loader and train state: tiny dicts, as the real ones are."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+
+def build(spec: str, vocab: int):
+    """`flavor` or `flavor:n_layers` -> model and AdamW with its state populated by one step."""
+    flavor, _, layers = spec.partition(":")
+    args = get_model_args(flavor, vocab_size=vocab, max_seq_len=64)
+    if layers:
+        args = replace(args, n_layers=int(layers))
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, vocab, (1, 16))  # [b, s]
+    model(tokens, tokens).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, sched
+
+
+def state_gib(model, opt) -> float:
+    tensors = list(model.parameters()) + [
+        v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+
+def bench(model, opt, sched, mode: str, saves: int, folder: Path) -> tuple[float, float]:
+    cfg = replace(Checkpoint(), enable=True, interval=1, keep_latest_k=1, async_mode=mode)
+    mgr = CheckpointManager(cfg, folder, model, opt, sched, _State(), _State())
+    blocked, written = [], []
+    for step in range(1, saves + 1):
+        t0 = time.perf_counter()
+        mgr.save(step)
+        blocked.append(time.perf_counter() - t0)
+        mgr.wait()  # a training loop would run steps here; waited for to time the whole write
+        written.append(time.perf_counter() - t0)
+    mgr.close()
+    shutil.rmtree(folder / cfg.folder, ignore_errors=True)
+    return statistics.median(blocked), statistics.median(written)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="debugmodel,1B:4", help="flavor[:n_layers], comma-separated")
+    p.add_argument("--vocab", type=int, default=2048, help="vocabulary size of every model")
+    p.add_argument("--saves", type=int, default=3, help="saves per mode (median reported)")
+    p.add_argument("--folder", default="", help="where to write ('' = a temporary folder)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    rows = []
+    for spec in a.models.split(","):
+        model, opt, sched = build(spec, a.vocab)
+        size = state_gib(model, opt)
+        with tempfile.TemporaryDirectory(dir=a.folder or None) as tmp:
+            res = {
+                m: bench(model, opt, sched, m, a.saves, Path(tmp)) for m in ("disabled", "async")
+            }
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        rows.append((spec, params, size, res))
+        del model, opt, sched
+    print(f"\nmedian of {a.saves} saves, one process, fp32 + AdamW, vocab {a.vocab}\n")
+    print("| model | params (M) | state (GiB) | sync blocked (s) | async blocked (s) "
+          "| async written (s) | blocked async / sync |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for spec, params, size, res in rows:
+        (sync, _), (ablk, awr) = res["disabled"], res["async"]
+        print(f"| {spec} | {params:.1f} | {size:.2f} | {sync:.3f} | {ablk:.3f} | {awr:.3f} "
+              f"| {ablk / sync:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
