@@ -2,7 +2,8 @@
 
     python scripts/bench_loss.py --dim 4096 --vocab 128256 --tokens 8192 --dtype bfloat16
 
-Each variant runs in a fresh subprocess so that one variant's peak cannot hide another's. Memory is
+Each run is a fresh subprocess so that one variant's peak cannot hide another's, and variants are
+interleaved over rounds so that a load change on a shared machine hits them alike. Memory is
 the peak increase over the moment the inputs (h, weight, labels) exist: on CUDA from the caching
 allocator's peak counter, on CPU from the kernel's peak RSS (VmHWM), reset via /proc/self/clear_refs
 after the inputs are built. Both paths keep h.grad and weight.grad at the end, so both peaks include
@@ -79,7 +80,16 @@ def run_variant(args, chunk: int) -> dict:
         loss = step()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    return {"peak": _peak(device) - base, "time": statistics.median(times), "loss": loss}
+    return {"peak": _peak(device) - base, "times": times, "loss": loss}
+
+
+def run_in_subprocess(chunk: int) -> dict:
+    # A fresh process per run: peak counters and allocator caches start clean.
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", str(chunk)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"variant {chunk} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -89,8 +99,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--chunks", default="512,1024,2048", help="chunk_tokens values, comma-separated")
-    p.add_argument("--iters", type=int, default=3, help="timed iterations (median reported)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="runs of every variant, interleaved")
+    p.add_argument("--iters", type=int, default=1, help="timed iterations per run")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations per run")
     p.add_argument("--variant", type=int, default=None, help=argparse.SUPPRESS)  # child mode
     args = p.parse_args()
     if args.variant is not None:
@@ -98,30 +109,35 @@ def main() -> None:
         return
 
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    shape = f"dim {args.dim}, vocab {args.vocab}, tokens {args.tokens}, {args.dtype}"
-    print(f"{shape}, {device}, torch {torch.__version__}, median of {args.iters} timed iterations")
-    print(f"after {args.warmup} warmup; peak memory is over the inputs and includes the grads\n")
+    print(f"dim {args.dim}, vocab {args.vocab}, tokens {args.tokens}, {args.dtype}; {device}, "
+          f"torch {torch.__version__}.")  # fmt: skip
+    print(f"{args.rounds} interleaved rounds; each runs every variant in a fresh process "
+          f"({args.warmup} warmup + {args.iters} timed iterations).")  # fmt: skip
+    print("Time: median over all timed iterations. Peak: max over runs, over the inputs,"
+          " including the grads.\n")  # fmt: skip
+    variants = [0] + [int(c) for c in args.chunks.split(",")]
+    runs = {v: [] for v in variants}
+    # Interleaved rounds: a load change on a shared machine hits every variant alike.
+    for _ in range(args.rounds):
+        for v in variants:
+            runs[v].append(run_in_subprocess(v))
     head = ["loss", "peak memory over inputs (GiB)", "vs plain", "median fwd+bwd (s)", "vs plain"]
     print("| " + " | ".join([*head, "loss value"]) + " |")
     print("|---|" + "---:|" * 5)
-    ref = None
-    for chunk in [0] + [int(c) for c in args.chunks.split(",")]:
-        # A fresh process per variant: peak counters and allocator caches start clean.
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", str(chunk)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"variant {chunk} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        ref = ref or r
+    ref_peak = ref_time = None
+    for v in variants:
+        peak = max(r["peak"] for r in runs[v])
+        t = statistics.median(x for r in runs[v] for x in r["times"])
+        ref_peak, ref_time = ref_peak or peak, ref_time or t
         cells = [
-            f"chunked {chunk}" if chunk else "plain",
-            f"{r['peak'] / GIB:.2f}",
-            f"{r['peak'] / ref['peak']:.2f}",
-            f"{r['time']:.2f}",
-            f"{r['time'] / ref['time']:.2f}",
-            f"{r['loss']:.2f}",
+            f"chunked {v}" if v else "plain",
+            f"{peak / GIB:.2f}",
+            f"{peak / ref_peak:.2f}",
+            f"{t:.2f}",
+            f"{t / ref_time:.2f}",
+            f"{runs[v][-1]['loss']:.2f}",
         ]
-        print("| " + " | ".join(cells) + " |", flush=True)
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
