@@ -51,7 +51,7 @@ PRESETS: dict[str, list[tuple[str, int, list[str], str]]] = {
         (f"{m}_{dt}_{n}p", n, [*DEBUG, "--training.mixed_precision_param", dt, *extra], custom)
         for m, custom, extra in (
             ("debug", "", []),
-            ("100M", "768,12,12", ["--training.local_batch_size", "1"]),
+            ("100M", "768,12,12", ["--training.local_batch_size", "1"]),  # 256 tokens
         )
         for dt in ("float32", "bfloat16")
         for n in (1, 2, 4)

@@ -9,6 +9,9 @@ Every train.py option is accepted (same parser). Extra options, stripped before 
   --vocab_size N    skip building the tokenizer (default: its padded size; Llama 3's 128256 when
                     the configured tokenizer file is missing, e.g. on a laptop)
   --device cpu      no CUDA context allowance or fragmentation factor
+  --measure N       (one process, CPU) also run N real training steps in this process and
+                    print the measured peak RSS above the baseline taken after the tokenizer
+                    and data loader are built but before the model is (validation)
 The assumptions are in titanlite/memory_estimate.py's docstring; measured error in
 docs/performance.md.
 """
@@ -22,7 +25,7 @@ from titanlite.config import ConfigError, parse_args  # noqa: E402
 from titanlite.memory_estimate import GIB, estimate, setup_from_config  # noqa: E402
 
 LLAMA3_VOCAB = 128256
-_EXTRA = {"--world_size": int, "--vocab_size": int, "--device": str}
+_EXTRA = {"--world_size": int, "--vocab_size": int, "--device": str, "--measure": int}
 
 
 def split_extra(argv: list[str]) -> tuple[dict, list[str]]:
@@ -59,6 +62,31 @@ def vocab_size_of(cfg) -> int:
         return LLAMA3_VOCAB
 
 
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def measure(cfg, steps: int) -> float:
+    """Peak RSS growth over a world-1 run of `steps` steps: model, optimizer, activations."""
+    import train
+
+    cfg.metrics.peak_tflops = cfg.metrics.peak_tflops or 1.0  # no calibration allocations
+    cfg.metrics.enable_tensorboard = cfg.metrics.enable_jsonl = False
+    trainer = train.Trainer(cfg, train.init_distributed())
+    batches = [trainer.loader.next_step() for _ in range(steps)]  # data outside the window
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    baseline = _rss_bytes("VmRSS")
+    trainer.build()
+    for mb in batches:
+        trainer.train_step(mb)
+    return _rss_bytes("VmHWM") - baseline
+
+
 def main(argv: list[str]) -> int:
     try:
         extra, rest = split_extra(argv)
@@ -66,6 +94,8 @@ def main(argv: list[str]) -> int:
         vocab = extra.get("vocab_size") or vocab_size_of(cfg)
         world = extra.get("world_size", 1)
         setup = setup_from_config(cfg, world, vocab, extra.get("device", "cuda"))
+        if extra.get("measure") and (world != 1 or setup.device != "cpu"):
+            raise ConfigError("--measure runs one CPU process: use --world_size 1 --device cpu")
     except (ConfigError, ValueError) as e:
         print(f"estimate_memory: error: {e}", file=sys.stderr)
         return 2
@@ -80,6 +110,13 @@ def main(argv: list[str]) -> int:
     )
     print(est.table())
     print(f"estimated peak per rank: {est.total / GIB:.1f} GiB")
+    if extra.get("measure"):
+        measured = measure(cfg, extra["measure"])
+        err = 100 * (est.total - measured) / measured
+        print(
+            f"measured peak RSS above baseline: {measured / GIB:.3f} GiB; estimate "
+            f"{est.total / GIB:.3f} GiB ({err:+.1f}%)"
+        )
     return 0
 
 

@@ -22,7 +22,7 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def setup(**kw) -> MemorySetup:
-    base = dict(model_args=ARGS, local_batch_size=2, seq_len=16, device="cpu")
+    base = dict(model_args=ARGS, local_batch_size=2, seq_len=16, device="cuda")
     return MemorySetup(**{**base, **kw})
 
 
@@ -71,6 +71,12 @@ def test_tp_divides_activations_except_gathered_norm_outputs():
     # 2 blocks saved + 1 block of gradient buffers, fp32.
     assert activation_bytes(setup(**fp32)) == pytest.approx(tokens * 3 * full_1 * 4)
     assert activation_bytes(setup(tp=2, **fp32)) == pytest.approx(tokens * 3 * full_2 * 4)
+
+
+def test_cpu_composite_rmsnorm_saves_its_normalized_input_too():
+    fp32 = dict(param_dtype="float32")
+    extra = activation_bytes(setup(device="cpu", **fp32)) - activation_bytes(setup(**fp32))
+    assert extra == pytest.approx(32 * 3 * 2 * 64 * 4)  # 32 tokens, 3 blocks' worth, 2 norms
 
 
 def test_activation_checkpointing_reduces_activations():

@@ -20,7 +20,8 @@ error):
 - Activations per block and token follow this repo's model.py (eager, no fusion): saved tensors of
   9 x dim + 4 x ffn_dim elements (norm in/out x2, q/k/v after RoPE, SDPA output, wo input, w1/w3
   outputs, silu output, the gated product; GQA k/v are repeated before SDPA so they count at
-  full dim). Under TP with sequence parallel everything but the two all-gathered norm outputs is
+  full dim). On CPU nn.RMSNorm is composite and also saves x * rstd: +2 x dim.
+  Under TP with sequence parallel everything but the two all-gathered norm outputs is
   divided by tp. Selective 'op' AC keeps the matmul and SDPA outputs and the block input; full AC
   keeps the block input; selective 'N' makes every Nth block full AC. With AC one block's full
   activations are rebuilt in backward. One more block's worth is allowed for gradient buffers.
@@ -142,6 +143,8 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float, float]:
     # SP: norm inputs/outputs are sequence-sharded; their all-gathered copies (the linears'
     # saved inputs) are whole; everything inside attention/FFN is head/column-sharded.
     norm_io = 2 * dim / tp  # attention_norm and ffn_norm inputs (the residual stream)
+    if s.device == "cpu":
+        norm_io *= 2  # CPU RMSNorm is composite: it also saves x * rstd before the gain
     gathered = 2 * dim  # norm outputs as the column-parallel linears save them
     inner = (5 * dim + 4 * ffn) / tp  # q, k, v (repeated), sdpa out, wo input; w1, silu, w3, prod
     full = norm_io + gathered + inner
