@@ -23,7 +23,7 @@ from titanlite.checkpoint import CheckpointManager
 from titanlite.config import ConfigError, JobConfig, dump_toml, parse_args
 from titanlite.data.loader import build_dataloader
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.distributed import clip_grad_norm_, dist_sum, init_distributed
+from titanlite.distributed import clip_grad_norm_, destroy, dist_sum, init_distributed
 from titanlite.metrics import (
     DeviceMemoryMonitor,
     MetricsLogger,
@@ -97,6 +97,11 @@ class Trainer:
             world_size=self.world_size,
         )
         pd = self.parallel_dims
+        if cfg.checkpoint.create_seed_checkpoint and self.world_size != 1:
+            raise ConfigError(
+                "checkpoint.create_seed_checkpoint runs in a single process: use plain "
+                "`python train.py`, not torchrun; every layout can then load it"
+            )
         self.tokenizer = build_tokenizer(cfg.model)
         self.model_args = get_model_args(
             cfg.model.flavor,
@@ -238,6 +243,14 @@ class Trainer:
         val_loss = (dist_sum(loss_sum, dp_mesh) / dist_sum(tokens, dp_mesh)).item()
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
+    def write_seed_checkpoint(self) -> int:
+        """Step 0, weights only: a fixed starting point any later layout can load."""
+        self.checkpointer.save(0)
+        self.checkpointer.close()
+        self.metrics.close()
+        logger.info("seed checkpoint written: step 0")
+        return 0
+
     def train(self) -> int:
         cfg, st = self.cfg, self.state
         self.checkpointer.install_signal_handlers()
@@ -340,7 +353,9 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, dist_env)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         # User mistakes found before any weight is allocated: one line, no traceback wall.
-        print(f"titanlite: error: {e}", file=sys.stderr)
+        # Every rank fails the same way, so one of them says it.
+        if rank == 0:
+            print(f"titanlite: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -348,13 +363,13 @@ def main(argv=None) -> int:
     if cfg.job.print_config:
         logger.info("config:\n%s", cfg.to_dict())
     trainer.build()
-    if cfg.checkpoint.create_seed_checkpoint:
-        if dist_env[2] != 1:
-            raise ConfigError("checkpoint.create_seed_checkpoint runs in a single process")
-        trainer.checkpointer.save(0)
-        logger.info("seed checkpoint written: step 0")
-        return 0
-    return trainer.train()
+    code = (
+        trainer.write_seed_checkpoint()
+        if cfg.checkpoint.create_seed_checkpoint
+        else trainer.train()
+    )
+    destroy()
+    return code
 
 
 if __name__ == "__main__":

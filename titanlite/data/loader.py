@@ -288,7 +288,8 @@ class DataLoader:
             raise ValueError(
                 "cannot resume the data loader: the data order would differ ("
                 + "; ".join(bad)
-                + "). Use the same training config and data, or start without the loader state."
+                + "). Use the same training config and data, or restart the data from its first "
+                "batch with --checkpoint.exclude_from_loading dataloader."
             )
         if sd.get("fingerprint") != self.fingerprint:
             # Same sample count and layout; files were only touched or copied (mtimes changed).
