@@ -51,7 +51,8 @@ def test_cross_entropy_sum_is_the_sum_over_kept_tokens():
     torch.testing.assert_close(loss, expected)
 
 
-# 1 and 7 do not divide N = 48; 48 is one chunk; 1000 is larger than N.
+# 1 and 7 do not divide N = 48 and also split the vocab into backward blocks (block = chunk * V // D
+# rows: 2 and 16 of 37); 48 is one chunk; 1000 is larger than N.
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 16, 48, 1000])
 def test_chunked_equals_plain_fp32(chunk_tokens):
     h, w, labels = make_inputs()

@@ -38,26 +38,36 @@ def _local_targets(y: torch.Tensor, vocab_start: int, local_vocab: int):
     return local_y.clamp(0, local_vocab - 1), mine
 
 
-def _accumulate_grad_w(grad_w: torch.Tensor, g: torch.Tensor, h_c: torch.Tensor) -> None:
-    """grad_w [V, d] fp32 += g.T @ h_c with g [t, V], h_c [t, d] in the input dtype."""
-    if g.dtype == torch.float32:
-        grad_w.addmm_(g.T, h_c)  # in place: no [V, d] temporary
-        return
-    # A low-precision product cannot be added into fp32 in place, so it needs a temporary; slicing
-    # the vocab keeps that temporary no larger than the chunk's logits instead of a whole [V, d].
-    t, vocab = g.shape
-    rows = max(1, t * vocab // h_c.shape[1])
-    for v in range(0, vocab, rows):
-        grad_w[v : v + rows] += g[:, v : v + rows].T @ h_c  # [rows, d], promoted to fp32
+def _add_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out (fp32) += a @ b, where a and b are in the input dtype."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)  # in place, no temporary
+    else:
+        out += a @ b  # low-precision product, promoted to fp32 as it is added
+
+
+def _grad_logits(h_c, w_b, y, lse_c, scale_c, vocab_start) -> torch.Tensor:
+    """scale * (softmax - onehot(y)) for one tile [t, Vb], in the input dtype.
+
+    Built in place in the recomputed fp32 logits; the per-token lse makes a vocab slice's softmax
+    independent of the rest of the vocab.
+    """
+    probs = _chunk_logits(h_c, w_b)  # [t, Vb]
+    probs.sub_(lse_c.unsqueeze(1)).exp_()
+    idx, mine = _local_targets(y, vocab_start, w_b.shape[0])
+    probs[torch.arange(len(y), device=y.device), idx] -= mine.float()
+    probs.mul_(scale_c.unsqueeze(1))
+    return probs.to(h_c.dtype)  # the matmuls run in the input dtype
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_i CE(h_i @ W.T, y_i), chunk by chunk, saving only h, W, labels and per-token logsumexp.
 
-    No chunk's logits survive the forward; backward recomputes them, so activation memory is
-    O(chunk_tokens x vocab) instead of O(N x vocab). With a process group, `weight` holds rows
-    [vocab_start, vocab_start + V_local) of a vocab-sharded output layer (tensor parallel) and the
-    per-token max, sum of exponentials and target logit are all-reduced over the group.
+    No chunk's logits survive the forward; backward recomputes them tile by tile (vocab blocks x
+    token chunks), so activation memory is O(chunk_tokens x vocab) instead of O(N x vocab), and
+    the fp32 gradient accumulators add O(N x d) plus one block. With a process group, `weight`
+    holds rows [vocab_start, vocab_start + V_local) of a vocab-sharded output layer (tensor
+    parallel) and the per-token max, sum of exponentials and target logit are all-reduced.
     """
 
     @staticmethod
@@ -87,31 +97,30 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     def backward(ctx, grad_out):
         h, weight, labels, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(h) if need_h else None
-        # fp32 accumulator: summing many chunk products in bf16 would lose the small ones.
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_w = grad_w if need_w else None
-        n, step = h.shape[0], ctx.chunk_tokens
-        for start in range(0, n, step):
-            end = min(start + step, n)
-            h_c, y = h[start:end], labels[start:end]
-            # dCE/dlogits = softmax - onehot(y), built in place in the recomputed logits.
-            probs = _chunk_logits(h_c, weight)  # [t, V_local]
-            probs.sub_(lse[start:end].unsqueeze(1)).exp_()
-            idx, mine = _local_targets(y, ctx.vocab_start, weight.shape[0])
-            rows = torch.arange(end - start, device=h.device)
-            probs[rows, idx] -= mine.float()
-            # Ignored tokens contribute nothing; grad_out carries the trainer's loss scale.
-            probs.mul_(torch.where(y != IGNORE_INDEX, grad_out, 0.0).unsqueeze(1))
-            g = probs.to(h.dtype)  # [t, V_local]; the matmuls run in the input dtype
-            if need_h:
-                torch.mm(g, weight, out=grad_h[start:end])
+        (n, d), vocab, step = h.shape, weight.shape[0], ctx.chunk_tokens
+        # Ignored tokens contribute nothing; grad_out carries the trainer's loss scale.
+        scale = torch.where(labels != IGNORE_INDEX, grad_out, 0.0)  # [N] fp32
+        # Gradients are summed in fp32 (adding many small chunk products in bf16 loses them).
+        # Vocab blocks are the outer loop so that grad_w's fp32 accumulator covers one block, sized
+        # to be no larger than a chunk's fp32 logits, instead of a whole fp32 [V, d].
+        block = max(1, step * vocab // d)
+        grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        for v0 in range(0, vocab, block):
+            w_b = weight[v0 : v0 + block]  # [Vb, d]
+            acc = torch.zeros(w_b.shape, dtype=torch.float32, device=h.device) if need_w else None
+            for start in range(0, n, step):
+                sl, h_c = slice(start, start + step), h[start : start + step]  # t <= step tokens
+                g = _grad_logits(h_c, w_b, labels[sl], lse[sl], scale[sl], ctx.vocab_start + v0)
+                if need_h:
+                    _add_mm(grad_h[sl], g, w_b)
+                if need_w:
+                    _add_mm(acc, g.T, h_c)
             if need_w:
-                _accumulate_grad_w(grad_w, g, h_c)
+                grad_w[v0 : v0 + block] = acc  # cast to the weight dtype
         if need_h:
             # Each rank's vocab slice contributes a partial dL/dh; h is replicated, so sum them.
-            _all_reduce(grad_h, dist.ReduceOp.SUM, ctx.group)
-        grad_w = grad_w.to(weight.dtype) if need_w else None
+            grad_h = _all_reduce(grad_h, dist.ReduceOp.SUM, ctx.group).to(h.dtype)
         return grad_h, grad_w, None, None, None, None
 
 
