@@ -1,0 +1,152 @@
+"""Launching: two torchrun "nodes" on one machine, elastic restart after a killed rank,
+shellcheck on every shell script."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TRAIN, read_jsonl
+
+TINY = [
+    "--job.config_file", "debug_model.toml",
+    "--model.vocab_limit", "512",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    "--training.mixed_precision_param", "float32",
+    "--metrics.log_freq", "1",
+    "--metrics.enable_tensorboard=false",
+]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _torchrun(launch: list[str], args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launch, str(TRAIN), *args]
+
+
+def _last_losses(folder: Path) -> dict[int, float]:
+    """step -> loss of its last occurrence: steps re-done after a restart are logged twice."""
+    return {r["step"]: r["loss"] for r in read_jsonl(folder / "metrics.jsonl")}
+
+
+def _finish(proc: subprocess.Popen, timeout: int = 300) -> str:
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        for pid in _workers(proc.pid):  # they outlive a killed agent
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        pytest.fail(f"still running after {timeout} s:\n{proc.communicate()[0][-6000:]}")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-6000:]}"
+    return out
+
+
+def test_two_nodes_match_one_node(tmp_path, train_runner):
+    """2 agents x 2 workers with c10d rendezvous == 4 workers standalone, FSDP 2 x TP 2."""
+    args = [*TINY, "--parallelism.tensor_parallel_degree", "2",
+            "--training.global_batch_size", "4", "--training.steps", "4"]  # fmt: skip
+    one = tmp_path / "one"
+    train_runner([*args, "--job.dump_folder", str(one)], nproc=4)
+
+    two = tmp_path / "two"
+    rdzv = ["--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", f"127.0.0.1:{_free_port()}", "--rdzv_id", "two-nodes"]  # fmt: skip
+    cmd = _torchrun(rdzv, [*args, "--job.dump_folder", str(two)])
+    nodes = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=_env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    for node in nodes:
+        _finish(node)
+    a, b = _last_losses(one), _last_losses(two)
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+def _workers(agent_pid: int) -> list[int]:
+    """The train.py processes torchrun started (its children)."""
+    out = subprocess.run(["pgrep", "-P", str(agent_pid)], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    return [p for p in pids if "train.py" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")]
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep (procps) to find workers")
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path, train_runner):
+    """SIGKILL one worker mid-run: torchrun restarts the group, which resumes from the newest
+    checkpoint and logs the same losses as an uninterrupted run."""
+    args = [*TINY, "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    straight = tmp_path / "straight"
+    train_runner([*args, "--job.dump_folder", str(straight)], nproc=2)
+
+    out = tmp_path / "elastic"
+    launch = ["--standalone", "--nproc_per_node", "2", "--max-restarts", "1"]
+    cmd = _torchrun(launch, [*args, "--job.dump_folder", str(out)])
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    jsonl = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (jsonl.exists() and max(_last_losses(out), default=0) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "no step 3 logged"
+        time.sleep(0.05)
+    victim = _workers(proc.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    log = _finish(proc)
+
+    starts = [line for line in log.splitlines() if "training from step" in line]
+    assert len(starts) == 2, log[-4000:]  # the first run and the restarted one
+    resumed = int(starts[1].split("training from step")[1].split()[0])
+    assert resumed >= 2, starts
+    a, b = _last_losses(straight), _last_losses(out)
+    assert sorted(b) == list(range(1, 9))
+    assert [b[s] for s in range(resumed + 1, 9)] == [a[s] for s in range(resumed + 1, 9)]
+
+
+def _shell_scripts() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    scripts = {REPO / p for p in listed if p.endswith((".sh", ".slurm"))}
+    scripts |= {REPO / p for p in listed if _has_shell_shebang(REPO / p)}
+    return sorted(p for p in scripts if p.is_file())
+
+
+def _has_shell_shebang(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        first = f.readline(100)
+    return first.startswith(b"#!") and (b"bash" in first or first.rstrip().endswith(b"/sh"))
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck_passes_on_every_shell_script():
+    scripts = _shell_scripts()
+    assert REPO / "scripts" / "multinode_trainer.slurm" in scripts
+    proc = subprocess.run(
+        ["shellcheck", "--shell=bash", *map(str, scripts)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
