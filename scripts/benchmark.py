@@ -14,9 +14,9 @@ Results go to {dump_folder}/bench/results.{md,csv,png}:
   on CPU a matmul calibration per process), peak memory (max over steps of train.py's memory_gib:
   CUDA max reserved, or on CPU the process's peak RSS), step time median and min-max spread.
 
-A flavor missing from the table can be given as `flavor=dim,n_layers,n_heads` in a config's
-name-free `custom` field: the run then goes through this script's `--_train` entry, which adds the
-flavor to the in-process table before calling train.main (args.py is not touched).
+A model shape missing from the flavor table can be given as "dim,n_layers,n_heads" in a config's
+fourth field: the run then goes through this script's `--_train` entry, which adds the shape to
+the in-process flavor table before calling train.main (args.py is not touched).
 """
 
 import argparse

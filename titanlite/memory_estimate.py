@@ -195,12 +195,11 @@ def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
         return (counts["total"] - counts["root"] + counts["root"] / 2) * pb  # cached casts
     if not s.fsdp:
         return 0.0
-    per_tp = lambda n: n / s.tp  # noqa: E731 - block weights are TP-local before the gather
-    root = per_tp(counts["root"]) * pb  # the root stays unsharded for the whole step
-    blocks = 2 * per_tp(counts["block"]) * pb + per_tp(counts["block"]) * 4  # gather + RS input
-    if s.reshard_after_forward == "never":
-        blocks = s.model_args.n_layers * per_tp(counts["block"]) * pb
-    return root + blocks
+    # FSDP all-gathers over dp_shard only: the gathered weights are still TP-local (1/tp).
+    root = counts["root"] / s.tp * pb  # the root stays unsharded for the whole step
+    block = counts["block"] / s.tp
+    in_flight = s.model_args.n_layers if s.reshard_after_forward == "never" else 2
+    return root + in_flight * block * pb + block * 4  # gathered weights + fp32 RS input
 
 
 def estimate(s: MemorySetup) -> MemoryEstimate:
