@@ -169,11 +169,16 @@ def run_sweep(configs, opts) -> list[dict]:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         (dump / "stdout.log").parent.mkdir(parents=True, exist_ok=True)
         (dump / "stdout.log").write_text(proc.stdout + proc.stderr)
+        jsonl = dump / "metrics.jsonl"
+        records = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []
         if proc.returncode != 0:
             print(f"    FAILED (exit {proc.returncode}); log: {dump / 'stdout.log'}")
             print("    " + "\n    ".join((proc.stdout + proc.stderr).strip().splitlines()[-5:]))
-            continue
-        records = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+            if len(records) < opts.warmup + opts.steps:
+                continue
+            # Every step was logged, so the numbers are valid; the crash was at shutdown.
+            print("    (all steps were logged before the failure: the row is kept, marked '!')")
+            name += " !"
         row = summarize(name, nproc, records, opts.warmup)
         rows.append(row)
         print(
@@ -187,7 +192,8 @@ def run_sweep(configs, opts) -> list[dict]:
         header = (
             f"Sweep {opts.preset!r}: {opts.warmup} warm-up + {opts.steps} measured steps per "
             f"config; OMP_NUM_THREADS={opts.omp_threads or os.environ.get('OMP_NUM_THREADS', '')}"
-            f"; extra: {' '.join(opts.extra) or '-'}"
+            f"; extra: {' '.join(opts.extra) or '-'}. '!': the run exited non-zero after "
+            "logging every step (see its stdout.log)."
         )
         write_outputs(rows, out, header)
         print(f"wrote {out / 'results.md'}, results.csv, results.png")
