@@ -27,8 +27,8 @@ error):
   activations are rebuilt in backward. One more block's worth is allowed for gradient buffers.
 - Loss: unchunked, the fp32 logits exist three times at the start of backward (saved
   log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits; chunked, one
-  chunk's logits (fp32 + param_dtype copy) plus the fp32 [vocab, dim] weight-gradient
-  accumulator. Loss parallel divides the vocab by tp.
+  chunk's logits (fp32 + param_dtype copy), the fp32 [tokens, dim] input gradient and the
+  [vocab, dim] weight gradient in the weight's dtype. Loss parallel divides the vocab by tp.
 - torch.compile fuses elementwise ops and saves less; it is not modelled (an overestimate).
 - The foreach AdamW step allocates about one fp32 copy of the local parameters as temporaries.
 """
@@ -184,8 +184,11 @@ def loss_bytes(s: MemorySetup) -> float:
     if s.chunk_tokens <= 0:
         return tokens * vocab * (3 * 4 + (act if act != 4 else 0))
     chunk = min(s.chunk_tokens, tokens)
-    w_grad = a.vocab_size / s.tp * a.dim * 4  # fp32 accumulator of the (local) output weight
-    return chunk * vocab * (4 + act) + w_grad
+    # Backward (loss.py): fp32 grad_h [N, d], grad_w [V_local, d] in the weight's dtype (FSDP's
+    # unsharded param_dtype, else the fp32 parameter), and a chunk-sized fp32 block accumulator.
+    w_bytes = DTYPE_BYTES[s.param_dtype] if s.fsdp else 4
+    grads = tokens * a.dim * 4 + a.vocab_size / s.tp * a.dim * w_bytes
+    return chunk * vocab * (4 + act) + grads
 
 
 def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
