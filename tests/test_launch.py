@@ -101,7 +101,8 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, train_runner):
     train_runner([*args, "--job.dump_folder", str(straight)], nproc=2)
 
     out = tmp_path / "elastic"
-    launch = ["--standalone", "--nproc_per_node", "2", "--max-restarts", "1"]
+    # 3, not 1: on a loaded machine a restarted group's gloo connect is sometimes refused once.
+    launch = ["--standalone", "--nproc_per_node", "2", "--max-restarts", "3"]
     cmd = _torchrun(launch, [*args, "--job.dump_folder", str(out)])
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -116,8 +117,8 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, train_runner):
     log = _finish(proc)
 
     starts = [line for line in log.splitlines() if "training from step" in line]
-    assert len(starts) == 2, log[-4000:]  # the first run and the restarted one
-    resumed = int(starts[1].split("training from step")[1].split()[0])
+    assert len(starts) >= 2, log[-4000:]  # the first run and the restarted one(s)
+    resumed = int(starts[-1].split("training from step")[1].split()[0])
     assert resumed >= 2, starts
     a, b = _last_losses(straight), _last_losses(out)
     assert sorted(b) == list(range(1, 9))
