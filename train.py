@@ -246,8 +246,6 @@ class Trainer:
     def write_seed_checkpoint(self) -> int:
         """Step 0, weights only: a fixed starting point any later layout can load."""
         self.checkpointer.save(0)
-        self.checkpointer.close()
-        self.metrics.close()
         logger.info("seed checkpoint written: step 0")
         return 0
 
@@ -283,9 +281,15 @@ class Trainer:
                 if stop:
                     logger.warning("stop requested by signal: saved step %d, exiting", st.step)
                     break
+        return 0
+
+    def close(self):
+        """Finish an in-flight async save, flush the logs, stop the prefetch threads."""
         self.checkpointer.close()
         self.metrics.close()
-        return 0
+        for loader in (self.loader, self.val_loader):
+            if loader is not None:
+                loader.close()
 
     def log(self, window: "Window"):
         cfg, pd = self.cfg, self.parallel_dims
@@ -363,13 +367,16 @@ def main(argv=None) -> int:
     if cfg.job.print_config:
         logger.info("config:\n%s", cfg.to_dict())
     trainer.build()
-    code = (
-        trainer.write_seed_checkpoint()
-        if cfg.checkpoint.create_seed_checkpoint
-        else trainer.train()
-    )
-    destroy()
-    return code
+    try:
+        if cfg.checkpoint.create_seed_checkpoint:
+            return trainer.write_seed_checkpoint()
+        return trainer.train()
+    except NonFiniteError as e:
+        logger.error("%s", e)
+        return 3
+    finally:
+        trainer.close()
+        destroy()
 
 
 if __name__ == "__main__":
