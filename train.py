@@ -369,14 +369,17 @@ def main(argv=None) -> int:
     trainer.build()
     try:
         if cfg.checkpoint.create_seed_checkpoint:
-            return trainer.write_seed_checkpoint()
-        return trainer.train()
-    except NonFiniteError as e:
+            code = trainer.write_seed_checkpoint()
+        else:
+            code = trainer.train()
+    except NonFiniteError as e:  # raised on every rank alike: the global norm is shared
         logger.error("%s", e)
-        return 3
+        code = 3
     finally:
         trainer.close()
-        destroy()
+    # Only on a clean (every-rank) exit: teardown has a barrier that a crashed peer would hang.
+    destroy()
+    return code
 
 
 if __name__ == "__main__":

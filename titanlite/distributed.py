@@ -43,13 +43,30 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
             torch.set_num_threads(max(1, _num_cores() // max(1, local_world)))
 
     if launched and world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        _init_process_group(backend)
     return rank, local_rank, world_size, device
+
+
+def _init_process_group(backend: str) -> None:
+    """init_process_group on torchrun's store, namespaced by the elastic restart count.
+
+    After `torchrun --max-restarts` restarts a group, the agent's store still holds the previous
+    attempt's keys (gloo's peer addresses among them); a restarted rank that reads one before
+    its peer overwrites it connects to a dead address ("Connection refused"). A per-attempt
+    prefix makes each attempt rendezvous in a clean namespace.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"titanlite/attempt_{attempt}/", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
 
 
 def destroy() -> None:
     """Tear down the default process group if one exists (safe to call in world 1)."""
     if dist.is_available() and dist.is_initialized():
+        # No rank tears its connections down while a peer may still be talking to it: gloo
+        # aborts a process whose peer vanished mid-exchange ("terminate called ...").
+        dist.barrier()
         dist.destroy_process_group()
 
 
