@@ -252,7 +252,6 @@ class Trainer:
     def train(self) -> int:
         cfg, st = self.cfg, self.state
         self.checkpointer.install_signal_handlers()
-        self.checkpointer.load()
         logger.info("training from step %d to %d", st.step, cfg.training.steps)
         tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
         window = Window()
@@ -367,6 +366,16 @@ def main(argv=None) -> int:
     if cfg.job.print_config:
         logger.info("config:\n%s", cfg.to_dict())
     trainer.build()
+    try:
+        if not cfg.checkpoint.create_seed_checkpoint:
+            trainer.checkpointer.load()
+    except (ValueError, RuntimeError) as e:
+        # A missing, partial, corrupt or mismatched checkpoint: say which and stop, never
+        # silently start fresh.
+        if rank == 0:
+            print(f"titanlite: error: {e}", file=sys.stderr)
+        trainer.close()
+        return 2
     try:
         if cfg.checkpoint.create_seed_checkpoint:
             code = trainer.write_seed_checkpoint()

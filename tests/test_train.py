@@ -48,6 +48,8 @@ def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
             "/no/such",
         ),
         (["--model.flavor", "9B"], "debugmodel"),
+        (["--checkpoint.enable", "--checkpoint.load_step", "7"], "no complete checkpoint"),
+        (["--checkpoint.initial_load_path", "/no/such/step-0"], "/no/such/step-0"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, train_runner, args, expected):
