@@ -66,7 +66,6 @@ def build_model(cfg: JobConfig, model_args, parallel_dims, mesh, device):
         training_cfg=cfg.training,
         ac_cfg=cfg.activation_checkpoint,
         compile_cfg=cfg.compile,
-        loss_cfg=cfg.loss,
     )
     model.to_empty(device=device)
     # Parallelism-invariant init: the same weights as a single-process run, whatever the layout.
@@ -109,7 +108,7 @@ class Trainer:
             max_seq_len=t.seq_len,
             use_scaled_rope=cfg.model.use_scaled_rope,
         )
-        pd.validate_model(self.model_args, cfg.parallelism, cfg.loss)
+        pd.validate_model(self.model_args, cfg.parallelism)
         if t.global_batch_size < 0:
             t.global_batch_size = t.local_batch_size * pd.dp_degree
         if t.global_batch_size % (t.local_batch_size * pd.dp_degree):

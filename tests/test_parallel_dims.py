@@ -61,15 +61,12 @@ def test_tp_must_divide_heads_and_kv_heads():
         ParallelDims(1, 1, 8, 8).validate_model(ARGS)
 
 
-def test_loss_parallel_needs_tp_and_chunked_loss_excludes_tp():
+def test_loss_parallel_needs_tp():
     lp = SimpleNamespace(enable_loss_parallel=True)
     with pytest.raises(ValueError, match="enable_loss_parallel needs tensor_parallel_degree > 1"):
         ParallelDims(1, 4, 1, 4).validate_model(ARGS, lp)
-    ParallelDims(1, 2, 2, 4).validate_model(ARGS, lp, SimpleNamespace(chunk_tokens=0))
-    with pytest.raises(ValueError, match="chunk_tokens"):
-        ParallelDims(1, 2, 2, 4).validate_model(ARGS, None, SimpleNamespace(chunk_tokens=1024))
-    # FSDP alone is fine with the chunked loss and with uneven shards.
-    ParallelDims(1, 3, 1, 3).validate_model(ARGS, None, SimpleNamespace(chunk_tokens=1024))
+    ParallelDims(1, 2, 2, 4).validate_model(ARGS, lp)
+    ParallelDims(1, 3, 1, 3).validate_model(ARGS)  # uneven FSDP shards are fine
 
 
 def worker(out_path):

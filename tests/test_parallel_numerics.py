@@ -33,6 +33,12 @@ LAYOUTS = {
         "--parallelism.tensor_parallel_degree", "2",
         "--parallelism.enable_loss_parallel",
     ],
+    # The chunked loss under TP: vocab-sharded chunks, max/sum-exp all-reduced over TP.
+    "fsdp2xtp2_chunked_loss": [
+        "--parallelism.data_parallel_shard_degree", "2",
+        "--parallelism.tensor_parallel_degree", "2",
+        "--loss.chunk_tokens", "24",
+    ],
 }  # fmt: skip
 # Plain FSDP 2 x TP 2 runs from the seed checkpoint (test below): one 4-rank run covers both.
 FSDP2_TP2 = LAYOUTS["fsdp2xtp2_loss_parallel"][:4]

@@ -76,9 +76,9 @@ class ParallelDims:
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
 
-    def validate_model(self, model_args, parallelism_cfg=None, loss_cfg=None) -> None:
+    def validate_model(self, model_args, parallelism_cfg=None) -> None:
         """Check the degrees against the model shapes and the loss options, before any weight is
-        allocated. parallelism_cfg / loss_cfg are the config sections (optional)."""
+        allocated. parallelism_cfg is the config section (optional)."""
         n_heads = model_args.n_heads
         n_kv_heads = model_args.n_kv_heads or n_heads
         if n_heads % self.tp or n_kv_heads % self.tp:
@@ -98,12 +98,6 @@ class ParallelDims:
             raise ValueError(
                 "parallelism.enable_loss_parallel needs tensor_parallel_degree > 1 (it splits the "
                 "vocabulary over TP ranks); turn it off or raise the TP degree"
-            )
-        if self.tp_enabled and loss_cfg is not None and loss_cfg.chunk_tokens > 0:
-            raise ValueError(
-                f"loss.chunk_tokens ({loss_cfg.chunk_tokens}) > 0 is not supported with "
-                f"tensor_parallel_degree ({self.tp}) > 1; set --loss.chunk_tokens 0 (use "
-                "--parallelism.enable_loss_parallel to keep the logits vocab-sharded instead)"
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:

@@ -61,7 +61,6 @@ def cfgs(
         ),
         ac_cfg=SimpleNamespace(mode=ac_mode, selective_ac_option=ac_option),
         compile_cfg=SimpleNamespace(enable=compile_, backend="inductor"),
-        loss_cfg=SimpleNamespace(chunk_tokens=0),
     )
 
 

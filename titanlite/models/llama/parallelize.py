@@ -46,15 +46,9 @@ def parallelize_llama(
     training_cfg,
     ac_cfg,
     compile_cfg,
-    loss_cfg,
 ) -> nn.Module:
     """Transform `model` in place (blocks may be replaced by wrappers) and return it."""
     if parallel_dims.tp_enabled:
-        if loss_cfg.chunk_tokens > 0:
-            raise ValueError(
-                "loss.chunk_tokens > 0 is not supported with tensor_parallel_degree > 1; "
-                "set --loss.chunk_tokens 0"
-            )
         apply_tp(model, parallel_dims.tp_mesh, parallelism_cfg.enable_loss_parallel)
     if ac_cfg.mode != "none":
         apply_ac(model, ac_cfg.mode, ac_cfg.selective_ac_option)
