@@ -332,6 +332,7 @@ full = get_state_dict(mgr.model, mgr.optimizer,
                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if dist.get_rank() == 0:
     torch.save(full, os.path.join(folder, f"full_{mode}_{world}.pt"))
+dist.barrier()  # no rank tears down while rank 0 still gathers: gloo would abort it
 dist.destroy_process_group()
 """
 
