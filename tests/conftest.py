@@ -56,6 +56,20 @@ def run_train(args, nproc=1, env=None, timeout=600, check=True, nnodes_args=None
     return proc
 
 
+def torchrun_script(script, *args, nproc=4, timeout=600):
+    """Run a worker script on `nproc` gloo ranks (1 thread each); a non-zero exit fails the test."""
+    # Worker scripts are often the test file itself, which imports the package and this file.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", str(script), *map(str, args),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode}\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def read_jsonl(path):
     """The metrics a run wrote, one dict per logged step."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun_script
 from torch import nn
 
 from titanlite.checkpoint import MARKER, CheckpointManager, create_seed_checkpoint, scan_checkpoints
@@ -337,14 +338,6 @@ dist.destroy_process_group()
 """
 
 
-def _torchrun(script, nproc, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(script), *map(str, args)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
 def _assert_nested_equal(a, b, path=""):
     if isinstance(a, dict):
         assert a.keys() == b.keys(), path
@@ -362,8 +355,9 @@ def _assert_nested_equal(a, b, path=""):
 def test_fsdp_async_save_reshards_to_fewer_ranks_and_one_process(tmp_path):
     script = tmp_path / "fsdp.py"
     script.write_text(_WORKER_COMMON + _FSDP)
-    _torchrun(script, 4, tmp_path, "save")  # FSDP over 4 ranks, async save on its own gloo PG
-    _torchrun(script, 2, tmp_path, "load")
+    # FSDP over 4 ranks, async save on its own gloo PG; then load on 2 ranks and in 1 process.
+    torchrun_script(script, tmp_path, "save", nproc=4)
+    torchrun_script(script, tmp_path, "load", nproc=2)
     saved = torch.load(tmp_path / "full_save_4.pt", weights_only=False)
     _assert_nested_equal(saved, torch.load(tmp_path / "full_load_2.pt", weights_only=False))
 

@@ -2,13 +2,12 @@
 ranks launched by torchrun (this file is also the worker)."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun_script
 from torch import nn
 
 from titanlite.distributed import clip_grad_norm_, destroy, dist_max, dist_sum, init_distributed
@@ -109,12 +108,7 @@ def worker(out_path):
 
 def test_four_ranks(tmp_path):
     out = tmp_path / "dist.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    proc = subprocess.run(
-        [*cmd, __file__, str(out)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun_script(__file__, out)
     res = json.loads(out.read_text())
     assert (res["world"], res["device"], res["threads"]) == (4, "cpu", 1)
     assert (res["sum"], res["max"]) == (2.0, 2.0)  # rank 0's dp group is {0, 2}

@@ -2,13 +2,12 @@
 4 real gloo ranks (this file is also the torchrun worker)."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import torchrun_script
 
 from titanlite.models.llama.args import ModelArgs
 from titanlite.parallel_dims import ParallelDims
@@ -92,12 +91,7 @@ def worker(out_path):
 
 def test_meshes_on_four_ranks(tmp_path):
     out = tmp_path / "meshes.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    proc = subprocess.run(
-        [*cmd, __file__, str(out)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun_script(__file__, out)
     res = json.loads(out.read_text())
     # Row-major (dp_replicate, dp_shard, tp): TP neighbours share a dp rank.
     assert res["(1, 4, 1)"] == {

@@ -7,13 +7,13 @@ rank 0 measured; the tests compare it with the same steps run here in one proces
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import torchrun_script
 from torch.distributed.tensor import DTensor
 
 from titanlite.distributed import clip_grad_norm_, dist_sum
@@ -151,12 +151,7 @@ def worker(out_path):
 @pytest.fixture(scope="module")
 def parallel_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallelize") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[3]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    proc = subprocess.run(
-        [*cmd, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    torchrun_script(__file__, out)
     return json.loads(out.read_text())
 
 
