@@ -383,9 +383,9 @@ def main(argv=None) -> int:
     except NonFiniteError as e:  # raised on every rank alike: the global norm is shared
         logger.error("%s", e)
         code = 3
-    finally:
-        trainer.close()
-    # Only on a clean (every-rank) exit: teardown has a barrier that a crashed peer would hang.
+    # Only on exits every rank takes together: teardown has barriers that a crashed peer would
+    # hang; after an unexpected error the process just dies and torchrun stops the others.
+    trainer.close()
     destroy()
     return code
 

@@ -213,6 +213,9 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
         if self._pg is not None:
+            # Every rank's save is finished before any rank drops the group: gloo aborts a
+            # process whose peer closes a connection it is still using.
+            dist.barrier(group=self._pg)
             dist.destroy_process_group(self._pg)
             self._pg = None
 
