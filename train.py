@@ -208,7 +208,7 @@ class Trainer:
         return {"loss_sum": loss_sum, "tokens": global_tokens, "grad_norm": grad_norm}
 
     def handle_nonfinite(self, loss_sum, global_tokens, grad_norm):
-        step = self.state.step
+        step = self.state.step + 1  # the step being taken, numbered as in the logs
         loss = dist_sum(loss_sum, self.parallel_dims.dp_mesh) / global_tokens
         msg = (
             f"non-finite values at step {step}: loss {loss.item():.6g}, "

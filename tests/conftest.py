@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -78,3 +80,21 @@ def read_jsonl(path):
 @pytest.fixture
 def train_runner():
     return run_train
+
+
+def assert_nested_equal(a, b, path=""):
+    """Exact equality of nested state (dicts, lists, tensors with dtype, arrays, scalars)."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_nested_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), path
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_nested_equal(x, y, f"{path}.{i}")
+    else:
+        assert a == b, path

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun_script
+from conftest import assert_nested_equal, torchrun_script
 from torch import nn
 
 from titanlite.checkpoint import MARKER, CheckpointManager, create_seed_checkpoint, scan_checkpoints
@@ -338,20 +338,6 @@ dist.destroy_process_group()
 """
 
 
-def _assert_nested_equal(a, b, path=""):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_nested_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, (list, tuple)):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_nested_equal(x, y, f"{path}.{i}")
-    else:
-        assert a == b, path
-
-
 def test_fsdp_async_save_reshards_to_fewer_ranks_and_one_process(tmp_path):
     script = tmp_path / "fsdp.py"
     script.write_text(_WORKER_COMMON + _FSDP)
@@ -359,7 +345,7 @@ def test_fsdp_async_save_reshards_to_fewer_ranks_and_one_process(tmp_path):
     torchrun_script(script, tmp_path, "save", nproc=4)
     torchrun_script(script, tmp_path, "load", nproc=2)
     saved = torch.load(tmp_path / "full_save_4.pt", weights_only=False)
-    _assert_nested_equal(saved, torch.load(tmp_path / "full_load_2.pt", weights_only=False))
+    assert_nested_equal(saved, torch.load(tmp_path / "full_load_2.pt", weights_only=False))
 
     mgr = make_setup(tmp_path)  # one process, no process group, plain module
     assert mgr.load() == 2 and mgr.dataloader.pos == 8

@@ -17,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_train
+from conftest import REPO, assert_nested_equal, read_jsonl, run_train
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -71,23 +70,6 @@ def load_full(step_dir: Path, tmp: Path) -> dict:
     dst = tmp / f"{step_dir.parent.parent.name}-{step_dir.name}.pt"
     dcp_to_torch_save(str(step_dir), str(dst))
     return torch.load(dst, weights_only=False)
-
-
-def assert_nested_equal(a, b, path=""):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_nested_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), path
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_nested_equal(x, y, f"{path}.{i}")
-    else:
-        assert a == b, path
 
 
 @pytest.fixture(scope="module")
