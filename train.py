@@ -3,11 +3,11 @@
     python train.py --job.config_file debug_model.toml --training.steps 100
     torchrun --nproc_per_node=8 train.py --job.config_file llama_8b.toml
 
-This is the only file that sees the whole JobConfig: it builds each piece from its own config
-section, then runs the loop. One step, as data:
-    microbatches -> count target tokens (one all-reduce over dp) -> per microbatch: forward, loss
-    sum x (1 / step tokens), backward at once -> clip by the global norm -> finite check ->
-    optimizer + schedule step -> metrics every log_freq steps -> maybe checkpoint.
+This is the only file that sees the whole JobConfig: `Trainer` checks what a user can get wrong,
+builds each piece from its own config section, and `Trainer.train` runs the schedule. One step:
+    microbatches -> count the step's target tokens (one all-reduce, which also carries the stop
+    votes) -> per microbatch: forward, loss sum x (1 / step tokens), backward at once -> clip by
+    the global norm -> read "finite?" and "stop?" (the step's one host sync) -> optimizer step.
 """
 
 import contextlib
@@ -16,17 +16,20 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
-from titanlite.checkpoint import CheckpointManager
-from titanlite.config import ConfigError, JobConfig, dump_toml, parse_args
-from titanlite.data.loader import build_dataloader
+from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
+from titanlite.config import ConfigError, JobConfig, dump_toml, parse_args, resolve_global_batch
+from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.distributed import clip_grad_norm_, destroy, dist_sum, init_distributed
+from titanlite.distributed import clip_grad_norm_, destroy, dist_sum, init_distributed, world_sum
+from titanlite.loss import IGNORE_INDEX
 from titanlite.metrics import (
     DeviceMemoryMonitor,
     MetricsLogger,
+    compute_throughput,
     get_peak_flops,
     init_logger,
     num_flops_per_token,
@@ -40,176 +43,249 @@ from titanlite.models.llama.parallelize import (
 )
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
+from titanlite.precision import DTYPES, resolve_param_dtype
+from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titanlite.train_state import TrainState
 
 logger = logging.getLogger("titanlite")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class NonFiniteError(RuntimeError):
     pass
 
 
-def build_model(cfg: JobConfig, model_args, parallel_dims, mesh, device):
-    """Meta build -> parallelize -> materialize on the device -> init: no rank holds the
-    full unsharded model."""
-    with torch.device("meta"):
-        model = Transformer(model_args)
-    num_params = model.num_params(exclude_embedding=True)
-    parallelize_llama(
-        model,
-        parallel_dims,
-        mesh,
-        parallelism_cfg=cfg.parallelism,
-        training_cfg=cfg.training,
-        ac_cfg=cfg.activation_checkpoint,
-        compile_cfg=cfg.compile,
-    )
-    model.to_empty(device=device)
-    # Parallelism-invariant init: the same weights as a single-process run, whatever the layout.
-    init_weights_parallel(model, model_args, cfg.training.seed, device)
-    model.train()
-    return model, num_params
+def forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0, sync_only_last=False,
+                     context=contextlib.nullcontext) -> torch.Tensor:  # fmt: skip
+    """Backpropagate each microbatch at once (its activations are freed before the next), its
+    summed loss times `loss_scale` = 1 / the step's target tokens over every microbatch and every
+    data-parallel rank: the gradients are those of the step's mean loss, with no pass over them
+    afterwards. Returns this rank's summed loss over its microbatches (detached)."""
+    loss_sum = torch.zeros((), device=loss_scale.device)
+    for i, (tokens, labels) in enumerate(microbatches):
+        if sync_only_last:  # FSDP reduce-scatters only after the last microbatch's backward
+            model.set_requires_gradient_sync(i == len(microbatches) - 1)
+        with context():
+            mb_loss = local_value(model(tokens, labels, chunk_tokens=chunk_tokens))
+            (mb_loss * loss_scale).backward()
+        loss_sum += mb_loss.detach()
+    return loss_sum
 
 
-def autocast_ctx(cfg: JobConfig, parallel_dims, device):
-    """Without FSDP there is no MixedPrecisionPolicy, so bf16 compute comes from autocast."""
-    dtype = DTYPES[cfg.training.mixed_precision_param]
-    if parallel_dims.fsdp_enabled or dtype == torch.float32:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=dtype)
+def count_step_tokens(microbatches, counts: bool, stop_vote: bool, device):
+    """(target tokens of the whole step, number of ranks asking to stop), from one all-reduce
+    over every rank and without a host sync. Ranks whose labels a peer already counts (TP peers
+    hold the same labels) pass counts=False. int64: exact at any batch size."""
+    zero = torch.zeros((), dtype=torch.int64)
+    local = sum(((labels != IGNORE_INDEX).sum() for _, labels in microbatches), zero)
+    votes = torch.stack([local if counts else zero, torch.tensor(int(stop_vote))])
+    votes = world_sum(to_device(votes, device))
+    return votes[0], votes[1]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without blocking the host: from pinned memory, asynchronously."""
+    if device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """The loss under loss parallel is a replicated DTensor; its local value is the loss."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class StepResult(NamedTuple):
+    loss_sum: torch.Tensor  # this rank's summed loss (device)
+    tokens: torch.Tensor  # the step's target tokens over all dp ranks (device)
+    grad_norm: torch.Tensor
+    stop: bool  # some rank was asked to stop: every rank saves and exits after this step
+    data_seconds: float
+    seconds: float
+
+
+class Every:
+    """Due every `freq` steps and at the last step (and at step 1 with `first`), when enabled."""
+
+    def __init__(self, freq: int, last: int, first: bool = False, enabled: bool = True):
+        self.freq, self.last, self.first, self.enabled = freq, last, first, enabled
+
+    def due(self, step: int) -> bool:
+        hit = step % self.freq == 0 or step == self.last or (self.first and step == 1)
+        return self.enabled and hit
 
 
 class Trainer:
-    """Holds the built pieces and runs the step; everything it needs comes from `setup`."""
+    """Checks the job, builds every piece from its config section, resumes, and runs the loop."""
 
     def __init__(self, cfg: JobConfig, dist_env):
         self.cfg = cfg
-        self.rank, self.local_rank, self.world_size, self.device = dist_env
-        t = cfg.training
-        self.parallel_dims = ParallelDims(
+        t, ckpt = cfg.training, cfg.checkpoint
+        self.rank, _, self.world_size, self.device = dist_env
+        pd = self.parallel_dims = ParallelDims(
             dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
             dp_shard=cfg.parallelism.data_parallel_shard_degree,
             tp=cfg.parallelism.tensor_parallel_degree,
             world_size=self.world_size,
         )
-        pd = self.parallel_dims
-        if cfg.checkpoint.create_seed_checkpoint and self.world_size != 1:
+        if ckpt.create_seed_checkpoint and self.world_size != 1:
             raise ConfigError(
                 "checkpoint.create_seed_checkpoint runs in a single process: use plain "
                 "`python train.py`, not torchrun; every layout can then load it"
             )
-        self.tokenizer = build_tokenizer(cfg.model)
+        # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
+        load_plan = None if ckpt.create_seed_checkpoint else plan_load(ckpt, cfg.job.dump_folder)
+        tokenizer = build_tokenizer(cfg.model)
         self.model_args = get_model_args(
             cfg.model.flavor,
-            vocab_size=pad_vocab(self.tokenizer.n_words),
+            vocab_size=pad_vocab(tokenizer.n_words),
             max_seq_len=t.seq_len,
             use_scaled_rope=cfg.model.use_scaled_rope,
         )
         pd.validate_model(self.model_args, cfg.parallelism)
-        if t.global_batch_size < 0:
-            t.global_batch_size = t.local_batch_size * pd.dp_degree
-        if t.global_batch_size % (t.local_batch_size * pd.dp_degree):
-            raise ConfigError(
-                f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                f"training.local_batch_size ({t.local_batch_size}) x data-parallel degree "
-                f"({pd.dp_degree}) = {t.local_batch_size * pd.dp_degree}"
-            )
-        self.mesh = pd.build_mesh(self.device.type)
-        self.loader = build_dataloader(
-            t, self.tokenizer, pd.dp_rank, pd.dp_degree, validation_cfg=cfg.validation
-        )
-        self.val_loader = (
-            build_dataloader(
-                t, self.tokenizer, pd.dp_rank, pd.dp_degree, "validation", cfg.validation
-            )
-            if cfg.validation.enable
-            else None
-        )
+        self.global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
+        pd.build_mesh(self.device.type)
 
-    def build(self):
-        cfg = self.cfg
-        self.model, num_params = build_model(
-            cfg, self.model_args, self.parallel_dims, self.mesh, self.device
-        )
+        ranks = dict(dp_rank=pd.dp_rank, dp_degree=pd.dp_degree)
+        vocab = self.model_args.vocab_size
+        self.loader = build_train_loader(
+            t, tokenizer, **ranks, global_batch_size=self.global_batch_size,
+            num_microbatches=num_microbatches, vocab_size=vocab, validation=cfg.validation,
+        )  # fmt: skip
+        val_loader = None
+        if cfg.validation.enable:
+            val_loader = build_validation_loader(
+                t, cfg.validation, tokenizer, **ranks, vocab_size=vocab
+            )
+        self.compute_dtype = resolve_param_dtype(t.mixed_precision_param, self.device)
+        # FSDP can skip the reduce-scatter of all but the last microbatch (more memory).
+        self.sync_only_last = t.accumulation_sync == "last" and pd.fsdp_enabled
+        self.model = self.build_model()
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.state = TrainState()
         self.checkpointer = CheckpointManager(
-            cfg.checkpoint,
-            cfg.job.dump_folder,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.loader,
-            self.state,
-            dp_rank=self.parallel_dims.dp_rank,
-            dp_degree=self.parallel_dims.dp_degree,
+            ckpt, cfg.job.dump_folder, self.model, self.optimizer, self.scheduler, self.loader,
+            self.state, dp_degree=pd.dp_degree,
+        )  # fmt: skip
+        self.preemption = Preemption()
+        self.validator = Validator(
+            val_loader, cfg.validation, t.steps, self.model_context, pd.dp_mesh, self.device
         )
-        self.autocast = autocast_ctx(cfg, self.parallel_dims, self.device)
-        self.loss_parallel = lambda: loss_parallel_ctx(cfg.parallelism.enable_loss_parallel)
-        self.flops_per_token = num_flops_per_token(
-            num_params, self.model_args, cfg.training.seq_len
-        )
-        self.peak_flops = get_peak_flops(
-            self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_tflops
-        )
-        self.memory = DeviceMemoryMonitor(self.device)
+        self.log_schedule = Every(cfg.metrics.log_freq, t.steps, first=True)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_log_rank)
-        logger.info(
-            "model %s %s: %s parameters (%s without the embedding), vocab %d, world %d %s",
-            cfg.model.name,
-            cfg.model.flavor,
-            f"{num_params + self.model_args.vocab_size * self.model_args.dim:,}",
-            f"{num_params:,}",
-            self.model_args.vocab_size,
-            self.world_size,
-            self.parallel_dims,
+        self.memory = DeviceMemoryMonitor(self.device)
+        self.peak_flops = get_peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
+        self.flops_per_token = num_flops_per_token(
+            self.model.num_params(exclude_embedding=True), self.model_args, t.seq_len
         )
+        try:
+            self.checkpointer.load(load_plan)
+        except BaseException:
+            self.close()
+            raise
+
+    def build_model(self) -> torch.nn.Module:
+        """Meta build -> parallelize -> materialize on the device -> init: no rank holds the
+        full unsharded model, and every layout starts from the same weights."""
+        cfg, args = self.cfg, self.model_args
+        with torch.device("meta"):
+            model = Transformer(args)
+        parallelize_llama(
+            model,
+            self.parallel_dims,
+            param_dtype=self.compute_dtype,
+            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+            parallelism_cfg=cfg.parallelism,
+            ac_cfg=cfg.activation_checkpoint,
+            compile_cfg=cfg.compile,
+        )
+        model.to_empty(device=self.device)
+        init_weights_parallel(model, args, cfg.training.seed, self.device)
+        logger.info(
+            "model %s %s: %s parameters, vocab %d, world %d %s, compute %s",
+            cfg.model.name, cfg.model.flavor, f"{model.num_params(exclude_embedding=False):,}",
+            args.vocab_size, self.world_size, self.parallel_dims, self.compute_dtype,
+        )  # fmt: skip
+        return model.train()
 
     @property
     def is_log_rank(self) -> bool:
         return self.rank == int(os.environ.get("LOG_RANK", 0))
 
-    def forward_backward(self, microbatches) -> tuple[torch.Tensor, torch.Tensor]:
-        """Backpropagate each microbatch at once; the loss is normalized by the step's target
-        tokens over all microbatches and all data-parallel ranks, so no grad pass is needed."""
-        dp_mesh = self.parallel_dims.dp_mesh
-        local_tokens = sum((labels != -100).sum() for _, labels in microbatches)
-        global_tokens = dist_sum(local_tokens.to(self.device, torch.float32), dp_mesh)
-        scale = 1.0 / global_tokens  # stays on the device: no host sync per microbatch
-        sync_last = self.cfg.training.accumulation_sync == "last"
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (tokens, labels) in enumerate(microbatches):
-            if sync_last and self.parallel_dims.fsdp_enabled:
-                self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
-            tokens = tokens.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            with self.loss_parallel(), self.autocast():
-                mb_loss = self.model(tokens, labels, chunk_tokens=self.cfg.loss.chunk_tokens)
-                mb_loss = _local(mb_loss)
-                (mb_loss * scale).backward()
-            loss_sum += mb_loss.detach()
-        return loss_sum, global_tokens
+    def model_context(self):
+        """Around every forward and backward: loss parallel, and autocast where FSDP's mixed
+        precision policy is absent (no FSDP) and the compute dtype is not fp32."""
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(loss_parallel_ctx(self.cfg.parallelism.enable_loss_parallel))
+        if not self.parallel_dims.fsdp_enabled and self.compute_dtype != torch.float32:
+            ctx.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
+        return ctx
 
-    def train_step(self, microbatches) -> dict:
-        loss_sum, global_tokens = self.forward_backward(microbatches)
+    # ------------------------------------------------------------------ the schedule
+    def train(self) -> int:
+        cfg, st = self.cfg, self.state
+        last = cfg.training.steps
+        self.preemption.install()
+        logger.info("training from step %d to %d", st.step, last)
+        window = LogWindow()
+        prof_cfg, folder = cfg.profiling, cfg.job.dump_folder
+        with (
+            maybe_enable_profiling(prof_cfg, folder, st.step, self.rank) as profiler,
+            maybe_enable_memory_snapshot(prof_cfg, folder, st.step, self.rank) as snapshotter,
+        ):
+            while st.step < last:
+                out = self.train_step()
+                st.step += 1
+                st.tokens_seen += self.global_batch_size * cfg.training.seq_len
+                st.elapsed_s += out.seconds
+                window.add(out)
+                profiler.step()
+                snapshotter.step()
+                values = {}
+                if self.log_schedule.due(st.step) or out.stop:
+                    values.update(self.train_metrics(window))
+                    window = LogWindow()
+                if self.validator.due(st.step):
+                    values.update(self.validator.run(self.model, cfg.loss.chunk_tokens))
+                if values:
+                    self.metrics.log(st.step, values)
+                if self.checkpointer.due(st.step, final=st.step == last or out.stop):
+                    self.checkpointer.save(st.step)
+                if out.stop:
+                    logger.warning("stop requested by signal: saved step %d, exiting", st.step)
+                    break
+        return 0
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        microbatches = self.loader.next_step()
+        t_data = time.perf_counter() - t0
+        counts, device = self.parallel_dims.counts_step_tokens, self.device
+        tokens, stop_votes = count_step_tokens(
+            microbatches, counts, self.preemption.requested, device
+        )
+        microbatches = [(to_device(x, device), to_device(y, device)) for x, y in microbatches]
+        loss_sum = forward_backward(
+            self.model, microbatches, 1.0 / tokens, chunk_tokens=self.cfg.loss.chunk_tokens,
+            sync_only_last=self.sync_only_last, context=self.model_context,
+        )  # fmt: skip
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
-        # One host sync per step. A NaN/inf anywhere makes the global norm non-finite on every
+        # The step's one host sync. A NaN/inf anywhere makes the global norm non-finite on every
         # rank, so all ranks take the same branch and bad weights are never stepped into.
-        if not torch.isfinite(grad_norm).item():
-            self.handle_nonfinite(loss_sum, global_tokens, grad_norm)
-        else:
+        finite, stop = torch.stack([grad_norm.isfinite(), stop_votes > 0]).tolist()
+        if finite:
             self.optimizer.step()
+        else:
+            self.on_nonfinite(loss_sum, tokens, grad_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss_sum": loss_sum, "tokens": global_tokens, "grad_norm": grad_norm}
+        seconds = time.perf_counter() - t0
+        return StepResult(loss_sum, tokens, grad_norm, stop, t_data, seconds)
 
-    def handle_nonfinite(self, loss_sum, global_tokens, grad_norm):
+    def on_nonfinite(self, loss_sum, tokens, grad_norm):
         step = self.state.step + 1  # the step being taken, numbered as in the logs
-        loss = dist_sum(loss_sum, self.parallel_dims.dp_mesh) / global_tokens
+        loss = dist_sum(loss_sum, self.parallel_dims.dp_mesh) / tokens
         msg = (
             f"non-finite values at step {step}: loss {loss.item():.6g}, "
             f"grad norm {grad_norm.item():.6g}; the optimizer step was not taken"
@@ -223,24 +299,24 @@ class Trainer:
             f"set --training.on_nonfinite skip."
         )
 
-    @torch.no_grad()
-    def validate(self) -> dict:
-        """Global token-weighted validation loss: every batch counted once, never a mean of
-        batch means."""
-        self.model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device)
-        for tok, labels in self.val_loader.iter_batches(self.cfg.validation.steps):
-            tok, labels = tok.to(self.device), labels.to(self.device)
-            with self.loss_parallel(), self.autocast():
-                loss_sum += _local(self.model(tok, labels, chunk_tokens=self.cfg.loss.chunk_tokens))
-            tokens += (labels != -100).sum()
-        self.model.train()
-        if hasattr(self.model, "reshard"):  # FSDP's root stays unsharded after a no-grad forward
-            self.model.reshard()
-        dp_mesh = self.parallel_dims.dp_mesh
-        val_loss = (dist_sum(loss_sum, dp_mesh) / dist_sum(tokens, dp_mesh)).item()
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    def train_metrics(self, window: "LogWindow") -> dict:
+        """The last step's loss and grad norm; throughput and data time averaged over the window;
+        peak memory since the previous log line."""
+        out = window.last
+        tokens_per_device = self.global_batch_size * self.cfg.training.seq_len / self.world_size
+        values = compute_throughput(
+            tokens_per_device * window.steps, window.seconds, self.flops_per_token, self.peak_flops
+        )
+        values.update(
+            loss=dist_sum(out.loss_sum, self.parallel_dims.dp_mesh) / out.tokens,
+            grad_norm=out.grad_norm,
+            lr=self.scheduler.get_last_lr()[0],
+            memory_gib=self.memory.get_peak_stats().max_reserved_gib,
+            data_time_pct=100 * window.data_seconds / window.seconds,
+            elapsed_s=self.state.elapsed_s,
+        )
+        self.memory.reset_peak_stats()
+        return values
 
     def write_seed_checkpoint(self) -> int:
         """Step 0, weights only: a fixed starting point any later layout can load."""
@@ -248,94 +324,54 @@ class Trainer:
         logger.info("seed checkpoint written: step 0")
         return 0
 
-    def train(self) -> int:
-        cfg, st = self.cfg, self.state
-        self.checkpointer.install_signal_handlers()
-        logger.info("training from step %d to %d", st.step, cfg.training.steps)
-        tokens_per_step = cfg.training.global_batch_size * cfg.training.seq_len
-        window = Window()
-        with (
-            maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, st.step, self.rank) as prof,
-            maybe_enable_memory_snapshot(
-                cfg.profiling, cfg.job.dump_folder, st.step, self.rank
-            ) as snapshot,
-        ):
-            while st.step < cfg.training.steps:
-                t0 = time.perf_counter()
-                microbatches = self.loader.next_step()
-                t_data = time.perf_counter() - t0
-                out = self.train_step(microbatches)
-                st.step += 1
-                st.tokens_seen += tokens_per_step
-                window.add(out, t_data, time.perf_counter() - t0)
-                prof.step()
-                snapshot.step()
-                last = st.step == cfg.training.steps
-                if st.step % cfg.metrics.log_freq == 0 or last or st.step == 1:
-                    self.log(window)
-                    window = Window()
-                stop = self.checkpointer.should_stop()
-                self.checkpointer.maybe_save(st.step, last_step=last or stop)
-                if stop:
-                    logger.warning("stop requested by signal: saved step %d, exiting", st.step)
-                    break
-        return 0
-
     def close(self):
         """Finish an in-flight async save, flush the logs, stop the prefetch threads."""
         self.checkpointer.close()
         self.metrics.close()
-        for loader in (self.loader, self.val_loader):
-            if loader is not None:
-                loader.close()
-
-    def log(self, window: "Window"):
-        cfg, pd = self.cfg, self.parallel_dims
-        st = self.state
-        values = window.summarize(pd.dp_mesh)
-        tokens_per_device = cfg.training.global_batch_size * cfg.training.seq_len / self.world_size
-        wps = tokens_per_device * window.steps / window.time
-        tflops = self.flops_per_token * wps / 1e12
-        st.elapsed_s += window.time
-        values.update(
-            lr=self.scheduler.get_last_lr()[0],
-            wps=wps,
-            tflops=tflops,
-            mfu=None if self.peak_flops is None else 100 * tflops * 1e12 / self.peak_flops,
-            memory_gib=self.memory.get_peak_stats().max_reserved_gib,
-            data_time_pct=100 * window.data_time / window.time,
-            elapsed_s=st.elapsed_s,
-        )
-        if self.val_loader is not None and (
-            st.step % cfg.validation.freq == 0 or st.step == cfg.training.steps
-        ):
-            values.update(self.validate())
-        self.metrics.log(st.step, values)
-        self.memory.reset_peak_stats()
+        self.loader.close()
 
 
-class Window:
-    """Sums over the steps between two log lines; reduced across ranks only when logged."""
+class LogWindow:
+    """The steps since the last log line: their summed wall and data-loading time, and the
+    results of the last of them (loss and grad norm are logged for that step, not averaged)."""
 
     def __init__(self):
-        self.steps, self.time, self.data_time = 0, 0.0, 0.0
-        self.last = None
+        self.steps, self.seconds, self.data_seconds, self.last = 0, 0.0, 0.0, None
 
-    def add(self, out: dict, t_data: float, t_step: float):
+    def add(self, out: StepResult):
         self.steps += 1
-        self.time += t_step
-        self.data_time += t_data
+        self.seconds += out.seconds
+        self.data_seconds += out.data_seconds
         self.last = out
 
-    def summarize(self, dp_mesh) -> dict:
-        out = self.last
-        loss = dist_sum(out["loss_sum"], dp_mesh) / out["tokens"]
-        return {"loss": loss.item(), "grad_norm": out["grad_norm"].item()}
 
+class Validator:
+    """Every validation.freq steps and at the last step (when enabled): the token-weighted loss
+    over the held-out split, every batch counted once, never a mean of batch means."""
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The loss under loss-parallel is a replicated DTensor; its local value is the loss."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    def __init__(self, loader, validation_cfg, last_step, model_context, dp_mesh, device):
+        self.schedule = Every(validation_cfg.freq, last_step, enabled=loader is not None)
+        self.loader, self.steps = loader, validation_cfg.steps
+        self.model_context, self.dp_mesh, self.device = model_context, dp_mesh, device
+
+    def due(self, step: int) -> bool:
+        return self.schedule.due(step)
+
+    @torch.no_grad()
+    def run(self, model, chunk_tokens: int = 0) -> dict:
+        model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        for tok, labels in self.loader.iter_batches(self.steps):
+            tok, labels = to_device(tok, self.device), to_device(labels, self.device)
+            with self.model_context():
+                loss_sum += local_value(model(tok, labels, chunk_tokens=chunk_tokens))
+            tokens += (labels != IGNORE_INDEX).sum()
+        model.train()
+        if hasattr(model, "reshard"):  # FSDP's root stays unsharded after a no-grad forward
+            model.reshard()
+        val_loss = (dist_sum(loss_sum, self.dp_mesh) / dist_sum(tokens, self.dp_mesh)).item()
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
 
 def main(argv=None) -> int:
@@ -353,33 +389,22 @@ def main(argv=None) -> int:
         torch.use_deterministic_algorithms(True)
     try:
         trainer = Trainer(cfg, dist_env)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        # User mistakes found before any weight is allocated: one line, no traceback wall.
-        # Every rank fails the same way, so one of them says it.
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointError) as e:
+        # User mistakes (config, data, checkpoint), found before any step: one line, no
+        # traceback wall. Every rank fails the same way, so one of them says it.
         if rank == 0:
             print(f"titanlite: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
         dump_toml(cfg, os.path.join(cfg.job.dump_folder, "config.toml"))
     if cfg.job.print_config:
         logger.info("config:\n%s", cfg.to_dict())
-    trainer.build()
     try:
-        if not cfg.checkpoint.create_seed_checkpoint:
-            trainer.checkpointer.load()
-    except (ValueError, RuntimeError) as e:
-        # A missing, partial, corrupt or mismatched checkpoint: say which and stop, never
-        # silently start fresh.
-        if rank == 0:
-            print(f"titanlite: error: {e}", file=sys.stderr)
-        trainer.close()
-        return 2
-    try:
-        if cfg.checkpoint.create_seed_checkpoint:
-            code = trainer.write_seed_checkpoint()
-        else:
-            code = trainer.train()
+        code = (
+            trainer.write_seed_checkpoint()
+            if cfg.checkpoint.create_seed_checkpoint
+            else trainer.train()
+        )
     except NonFiniteError as e:  # raised on every rank alike: the global norm is shared
         logger.error("%s", e)
         code = 3

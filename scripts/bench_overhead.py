@@ -61,9 +61,7 @@ def build_trainer(opts):
             *opts.overrides,
         ]
     )  # fmt: skip
-    trainer = train.Trainer(cfg, train.init_distributed())
-    trainer.build()
-    return trainer
+    return train.Trainer(cfg, train.init_distributed())
 
 
 def build_bare(trainer, opts):
@@ -121,7 +119,7 @@ def main(argv=None) -> int:
     tokens = opts.batch * opts.seq_len
     runners = {
         "bare": lambda: bare_step(batch),
-        "titanlite": lambda: trainer.train_step(trainer.loader.next_step()),
+        "titanlite": trainer.train_step,  # fetches its own (prefetched) step
     }
     print(f"model {trainer.model_args}\n{tokens} tokens/step, {opts.dtype}, threads "
           f"{torch.get_num_threads()}")  # fmt: skip

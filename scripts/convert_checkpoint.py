@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titanlite import precision
 from titanlite.models.llama import model as llama_model
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 
@@ -32,7 +33,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Training's dtype table plus float16, for export only: the fast half type for inference on GPUs
+# without bf16 (pre-Ampere), which many HF Llama checkpoints use.
+DTYPES = {**precision.DTYPES, "float16": torch.float16}
 
 # titanlite (Meta) name -> HF name, per layer ("{}" = layer index) and global.
 LAYER_KEYS = {

@@ -71,19 +71,20 @@ def _rss_bytes(field: str) -> int:
 
 
 def measure(cfg, steps: int) -> float:
-    """Peak RSS growth over a world-1 run of `steps` steps: model, optimizer, activations."""
+    """Peak RSS growth over building the trainer and `steps` steps of a world-1 run: model,
+    optimizer, activations (plus the tokenizer and the loader's prefetched batches, a few MB)."""
     import train
 
     cfg.metrics.peak_tflops = cfg.metrics.peak_tflops or 1.0  # no calibration allocations
     cfg.metrics.enable_tensorboard = cfg.metrics.enable_jsonl = False
-    trainer = train.Trainer(cfg, train.init_distributed())
-    batches = [trainer.loader.next_step() for _ in range(steps)]  # data outside the window
+    dist_env = train.init_distributed()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     baseline = _rss_bytes("VmRSS")
-    trainer.build()
-    for mb in batches:
-        trainer.train_step(mb)
+    trainer = train.Trainer(cfg, dist_env)
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.close()
     return _rss_bytes("VmHWM") - baseline
 
 

@@ -1,4 +1,4 @@
-"""Tokenize a data source into the token cache ahead of training (the loader's own function).
+"""Tokenize a data source into the token cache ahead of training (the loaders' own function).
 
 Takes the same options as train.py (only model.* tokenizer fields, training.dataset*,
 training.data_cache_dir and validation.dataset_path matter):
@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from titanlite.config import parse_args  # noqa: E402
-from titanlite.data.loader import prepare_token_cache  # noqa: E402
+from titanlite.data.cache import prepare_token_cache  # noqa: E402
 from titanlite.data.sources import build_source, local_source  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 

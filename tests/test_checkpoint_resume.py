@@ -23,7 +23,7 @@ from conftest import REPO, assert_nested_equal, read_jsonl, run_train
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from titanlite.checkpoint import CheckpointManager, scan_checkpoints
+from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load, scan_checkpoints
 from titanlite.config import Checkpoint
 
 TINY = [
@@ -96,6 +96,7 @@ def tp_resumed(tp_ref, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_fsdp_tp_resume_is_bitwise(tp_ref, tp_resumed):
     """4 ranks, FSDP 2 x TP 2: steps 7-12 after a resume are the very same floats."""
     for key in ("loss", "grad_norm", "lr"):
@@ -104,6 +105,7 @@ def test_fsdp_tp_resume_is_bitwise(tp_ref, tp_resumed):
         assert {s: a[s] for s in b} == b, key  # ==, not approx
 
 
+@pytest.mark.slow
 def test_async_checkpoint_equals_sync_checkpoint(tp_ref, tp_resumed, tmp_path):
     """The async save (tp_ref) and the sync save (tp_resumed) of step 12 hold identical values for
     every part except the wall-clock `elapsed_s`; and tp_resumed resumed bitwise from an async
@@ -121,6 +123,7 @@ def test_async_checkpoint_equals_sync_checkpoint(tp_ref, tp_resumed, tmp_path):
     assert sorted(a["rng"]) == [f"rank{r}" for r in range(4)]  # each rank's RNG states
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "one", "fsdp2"])
 def test_reshard_resume_from_fsdp4(fsdp4_ref, layout, tmp_path):
     """An FSDP 4 checkpoint resumes under FSDP 2 x TP 2, one process, and FSDP 2 on 2 processes.
@@ -131,10 +134,17 @@ def test_reshard_resume_from_fsdp4(fsdp4_ref, layout, tmp_path):
     assert sorted(b) == list(range(7, 13))
     devs = {s: abs(a[s] - b[s]) / abs(a[s]) for s in b}
     print(f"{layout}: relative loss deviation per step {devs}")
-    assert devs[7] < 1e-6, devs  # same data at step 7 (a different batch moves the loss ~1e-2)
+    # Step 7: bitwise-identical weights, the same batch, another layout: only the fp32 reduction
+    # order differs. The loss sums <= 256 positive per-token losses (8 rows x 32), and two orders
+    # differ by <= 2 x 255u = 3.0e-5 of it (u = 2**-24; about 2 sqrt(256) u = 1.9e-6 typically).
+    # Measured 7.6e-8 (one ulp). A different batch moves it ~1e-2.
+    assert devs[7] < 5e-5, devs
+    # Later steps also carry the layouts' weight rounding differences, which a smooth loss feels
+    # only slightly (measured <= 8.5e-8 over steps 8-12).
     assert max(devs.values()) < 1e-4, devs
 
 
+@pytest.mark.slow
 def test_exclude_dataloader_restarts_the_data(fsdp4_ref, tmp_path):
     """`exclude_from_loading dataloader`: weights, optimizer, schedule and step are restored, the
     data stream starts again from its first batch (what a changed dataset or batch needs), and
@@ -158,6 +168,7 @@ def _wait_for(pred, proc, seconds=120):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_the_rerun_continues(tmp_path):
     args = [*TINY, "--training.steps", "400", "--checkpoint.interval", "1000",
             "--job.dump_folder", str(tmp_path)]  # fmt: skip
@@ -222,20 +233,20 @@ def test_corrupt_metadata_names_the_path(tmp_path, damage):
     meta.write_bytes(
         {"truncate": data[: len(data) // 2], "garbage": b"\x00junk" * 50, "empty": b""}[damage]
     )
-    with pytest.raises(RuntimeError) as err:
-        _tiny_manager(tmp_path).load()
+    with pytest.raises(CheckpointError) as err:
+        plan_load(Checkpoint(enable=True), tmp_path)
     assert str(meta) in str(err.value) and "damaged" in str(err.value), err.value
 
 
-def test_finished_async_save_is_published_before_the_next_save(tmp_path):
-    """A completed async write becomes a complete checkpoint at the next step's `maybe_save`, not
-    only at the next save: a crash in between must not lose it as a `.tmp` folder."""
+def test_finished_async_save_is_published_without_the_loop(tmp_path):
+    """A completed async write becomes a complete checkpoint as soon as its data is on disk, not
+    at the next save or exit: a crash in between must not lose it as a `.tmp` folder."""
     mgr = _tiny_manager(tmp_path, async_mode="async", interval=100)
     mgr.model(torch.ones(1, 4)).sum().backward()
     mgr.optimizer.step()
     mgr.save(1)
-    while not mgr._pending[0].done():
-        time.sleep(0.01)
-    mgr.maybe_save(2)  # not a save step
+    deadline = time.monotonic() + 120
+    while not scan_checkpoints(tmp_path / "checkpoint")[0] and time.monotonic() < deadline:
+        time.sleep(0.01)  # nothing is called on the manager meanwhile
     assert list(scan_checkpoints(tmp_path / "checkpoint")[0]) == [1]
     mgr.close()

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TRAIN, read_jsonl
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 TINY = [
     "--job.config_file", "debug_model.toml",
     "--model.vocab_limit", "512",

@@ -111,6 +111,7 @@ def test_bad_setup_is_a_value_error():
         setup(ac_mode="selective", selective_ac_option="x")
 
 
+@pytest.mark.slow
 def test_cli_8b_fsdp8():
     out = subprocess.run(
         [

@@ -89,6 +89,7 @@ def worker(out_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_meshes_on_four_ranks(tmp_path):
     out = tmp_path / "meshes.json"
     torchrun_script(__file__, out)

@@ -7,6 +7,8 @@ import re
 import pytest
 from conftest import read_jsonl, run_train
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 # The debug model shrunk for speed, fp32 so layouts are comparable to rounding. The global batch
 # is fixed, so each layout splits the same 8 rows differently (1 proc: 4 microbatches of 2).
 BASE = [

@@ -4,6 +4,8 @@ import pytest
 import tomllib
 from conftest import read_jsonl
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 # Small and fast: the debug shape with a short sequence, fp32 so numbers are comparable.
 FAST = [
     "--job.config_file", "debug_model.toml",
@@ -71,3 +73,24 @@ def test_nonfinite_steps_can_be_skipped(tmp_path, train_runner):
     args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
     proc = train_runner([*args, "--optimizer.lr", "1e30", "--training.on_nonfinite", "skip"])
     assert "skipped" in proc.stderr + proc.stdout
+
+
+def test_validation_runs_at_its_own_frequency_not_only_on_log_steps(tmp_path, train_runner):
+    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.seq_len", "32"]
+    args += ["--training.local_batch_size", "2", "--training.steps", "100"]
+    args += ["--metrics.log_freq", "10", "--validation.enable", "--validation.freq", "25"]
+    train_runner([*args, "--validation.steps", "1", "--no-metrics.enable_tensorboard"])
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if r.get("val_loss") is not None] == [25, 50, 75, 100]
+    assert [r["step"] for r in rows if r["loss"] is not None] == [1, *range(10, 101, 10)]
+
+
+def test_missing_load_step_fails_before_the_model_is_built(tmp_path, train_runner):
+    # A 1B model would take a while to build and initialize: the error must come first.
+    (tmp_path / "checkpoint" / "step-5").mkdir(parents=True)
+    (tmp_path / "checkpoint" / "step-5" / "COMPLETE").touch()
+    args = ["--model.flavor", "1B", "--checkpoint.enable", "--checkpoint.load_step", "999"]
+    proc = train_runner([*args, "--job.dump_folder", str(tmp_path)], check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "load_step=999" in proc.stderr and "[5]" in proc.stderr
+    assert "tokeniz" not in proc.stdout and "parameters" not in proc.stdout

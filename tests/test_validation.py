@@ -10,10 +10,12 @@ from conftest import read_jsonl, run_train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titanlite.config import parse_args
-from titanlite.data.loader import build_dataloader
+from titanlite.data.loader import build_validation_loader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models.llama.args import get_model_args, pad_vocab
 from titanlite.models.llama.model import Transformer
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 STEPS = 4
 
@@ -96,9 +98,10 @@ def test_val_loss_is_token_weighted(args, one_process):
     dcp_to_torch_save(one_process / "checkpoint" / f"step-{STEPS}", torch_file)
     model.load_state_dict(torch.load(torch_file, weights_only=False)["model"])
     model.eval()
-    loader = build_dataloader(
-        cfg.training, tokenizer, 0, 1, "validation", validation_cfg=cfg.validation
-    )
+    loader = build_validation_loader(
+        cfg.training, cfg.validation, tokenizer, dp_rank=0, dp_degree=1,
+        vocab_size=model_args.vocab_size,
+    )  # fmt: skip
     sums, counts = [], []
     with torch.no_grad():
         for tokens, labels in loader.iter_batches():

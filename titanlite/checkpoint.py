@@ -17,8 +17,9 @@ import pickle
 import random
 import re
 import shutil
-import signal
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +34,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from titanlite.config import EXCLUDABLE
+
 logger = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
-EXCLUDABLE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that exists but cannot be read: the message names the path and the way out."""
+
+
 # What a run gets instead of a part it was told not to load.
 _FRESH = {
     "optimizer": "the optimizer state starts fresh (zero moments)",
@@ -92,9 +100,15 @@ def scan_checkpoints(folder: Path) -> tuple[dict[int, Path], list[Path]]:
 
 
 def _check_dcp_dir(path: Path, what: str) -> None:
-    """Fail early, with the fix, when a path explicitly asked for is not a DCP checkpoint."""
+    """Fail early, with the fix, when a path explicitly asked for is not a whole DCP checkpoint."""
     if not path.exists():
         raise ValueError(f"{what}: {path} does not exist")
+    step_dir = _STEP_DIR.match(path.name)
+    if step_dir and (step_dir.group(2) or not (path / MARKER).is_file()):
+        raise ValueError(
+            f"{what}: {path} is a partial checkpoint (its save did not finish: no {MARKER} "
+            "marker); pick a complete step folder"
+        )
     if (path / ".metadata").is_file():
         return
     if any(path.glob("*.safetensors")):
@@ -107,6 +121,67 @@ def _check_dcp_dir(path: Path, what: str) -> None:
         f" (it holds step folders; pick one, e.g. {path / f'step-{max(steps)}'})" if steps else ""
     )
     raise ValueError(f"{what}: {path} is not a DCP checkpoint: no .metadata file{hint}")
+
+
+def _read_metadata(path: Path) -> dict:
+    """DCP's index of what the checkpoint holds: {key: tensor/bytes metadata}."""
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read checkpoint metadata {path / '.metadata'} ({e}): the checkpoint is "
+            f"damaged; delete {path} to resume from an older one, or pick one with "
+            "--checkpoint.load_step"
+        ) from e
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a run loads: its own newest (or chosen) checkpoint, or the weights of
+    checkpoint.initial_load_path to start from (training then starts at step 0)."""
+
+    path: Path
+    weights_only: bool
+
+
+def plan_load(ckpt_cfg, dump_folder) -> LoadPlan | None:
+    """Decide what to load and check it can be loaded, before the model is built (at 70B that
+    build takes minutes). Rank 0 decides, every rank gets its answer (or its error)."""
+    plan, err = None, None
+    if _rank() == 0:
+        try:
+            plan = _choose(ckpt_cfg, Path(dump_folder) / ckpt_cfg.folder)
+            if plan is not None:
+                _read_metadata(plan.path)
+        except (ValueError, CheckpointError) as e:
+            err = e
+    if _dist_on():  # every rank fails with rank 0's error rather than hang waiting for it
+        box = [plan, err]
+        dist.broadcast_object_list(box, src=0)
+        plan, err = box
+    if err is not None:
+        raise err
+    return plan
+
+
+def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
+    if ckpt_cfg.enable:
+        complete, partial = scan_checkpoints(folder)
+        for p in partial:
+            logger.warning("Ignoring partial checkpoint %s (a save did not finish)", p)
+        step = ckpt_cfg.load_step
+        if step >= 0 and step not in complete:
+            raise ValueError(
+                f"checkpoint.load_step={step}: no complete checkpoint {folder}/step-{step}; "
+                f"complete steps there: {sorted(complete)}"
+            )
+        if complete:
+            return LoadPlan(complete[step if step >= 0 else max(complete)], weights_only=False)
+    if ckpt_cfg.initial_load_path:
+        path = Path(ckpt_cfg.initial_load_path)
+        _check_dcp_dir(path, "checkpoint.initial_load_path")
+        return LoadPlan(path, weights_only=True)
+    return None
 
 
 def _capture_rng() -> dict:
@@ -134,75 +209,54 @@ class CheckpointManager:
 
     def __init__(
         self, ckpt_cfg, dump_folder, model, optimizer, lr_scheduler, dataloader, train_state,
-        dp_rank: int = 0, dp_degree: int = 1,
+        dp_degree: int = 1,
     ):  # fmt: skip
-        bad = sorted(set(ckpt_cfg.exclude_from_loading) - set(EXCLUDABLE))
-        if bad:
-            raise ValueError(
-                f"checkpoint.exclude_from_loading has unknown parts {bad}; "
-                f"allowed: {list(EXCLUDABLE)}"
-            )
-        if ckpt_cfg.async_mode not in ("disabled", "async"):
-            raise ValueError(
-                f"checkpoint.async_mode={ckpt_cfg.async_mode!r}; allowed: 'disabled', 'async'"
-            )
-        if ckpt_cfg.load_step >= 0 and not ckpt_cfg.enable:
-            raise ValueError(f"checkpoint.load_step={ckpt_cfg.load_step} needs --checkpoint.enable")
-        if ckpt_cfg.interval <= 0:
-            raise ValueError(f"checkpoint.interval={ckpt_cfg.interval} must be > 0")
         self.cfg = ckpt_cfg
         self.folder = Path(dump_folder) / ckpt_cfg.folder
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.train_state = dataloader, train_state
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self._pending = None  # (future, step) of the async save in flight
+        self.dp_degree = dp_degree
         self._last_saved = -1
-        self._stop_flag = False
-        # Facts item 8: an async save on the default PG collides with training collectives.
-        self._pg = None
-        if ckpt_cfg.async_mode == "async" and _dist_on():
-            self._pg = dist.new_group(backend="gloo")
+        # An async save gets its own process group: on the default one its collectives would
+        # interleave with the training step's and deadlock or time out. Once its data is on
+        # disk, a background thread publishes it (marker, rename, prune) without the loop.
+        self._pg = self._publisher = None
+        self._published: Future | None = None
+        if ckpt_cfg.async_mode == "async":
+            self._publisher = ThreadPoolExecutor(1, thread_name_prefix="titanlite-ckpt")
+            if _dist_on():
+                self._pg = dist.new_group(backend="gloo")
 
     # ---------------------------------------------------------------- save
-    def maybe_save(self, step: int, last_step: bool = False) -> None:
-        if self._pending is not None and self._pending[0].done():
-            # Publish a finished async save now rather than at the next save, so a crash in
-            # between does not leave a fully written checkpoint as an ignored `.tmp` folder.
-            # Rank-local: DCP's future completes only after every rank's data is on disk.
-            self.wait()
+    def due(self, step: int, final: bool = False) -> bool:
+        """Every `interval` steps, and at the run's last step (or a requested stop)."""
         if not self.cfg.enable or step == self._last_saved:
-            return
-        if step % self.cfg.interval == 0 or last_step:
-            self.save(step)
+            return False
+        return step % self.cfg.interval == 0 or final
 
-    def save(self, step: int, model_only: bool = False) -> None:
-        """Save `step`. Model only when asked (seed checkpoint) or before the first optimizer step:
+    def save(self, step: int) -> None:
+        """Save `step`. Model only before the first optimizer step (a seed checkpoint):
         `get_state_dict` would otherwise initialize AdamW state with a zero-grad step()."""
         self.wait()
-        model_only = model_only or self.optimizer is None or not self.optimizer.state
+        model_only = self.optimizer is None or not self.optimizer.state
         tmp = self.folder / f"step-{step}.tmp"
         if _rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this step
         _barrier()  # nobody writes into tmp before rank 0 has cleared it
         state = self._state_to_save(step, model_only)
-        if self.cfg.async_mode == "async":
-            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
-            self._pending = (fut, step)
+        if self._publisher is not None:
+            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+            self._published = self._publisher.submit(self._publish_when_written, written, step)
         else:
             with _quiet_single_process():
                 dcp.save(state, checkpoint_id=str(tmp))
             self._finalize(step)
         self._last_saved = step
 
-    def wait(self) -> None:
-        """Block until the async save in flight (if any) is written, then mark it complete."""
-        if self._pending is None:
-            return
-        fut, step = self._pending
-        self._pending = None
+    def _publish_when_written(self, written: Future, step: int) -> None:
         try:
-            fut.result()
+            written.result()  # DCP completes it after every rank's data is on disk
         except (Exception, CheckpointException) as e:
             raise RuntimeError(
                 f"async checkpoint save of step {step} to {self.folder / f'step-{step}.tmp'} "
@@ -210,8 +264,16 @@ class CheckpointManager:
             ) from e
         self._finalize(step)
 
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) is written and published."""
+        if self._published is not None:
+            published, self._published = self._published, None
+            published.result()
+
     def close(self) -> None:
         self.wait()
+        if self._publisher is not None:
+            self._publisher.shutdown()
         if self._pg is not None:
             # Every rank's save is finished before any rank drops the group: gloo aborts a
             # process whose peer closes a connection it is still using.
@@ -278,55 +340,15 @@ class CheckpointManager:
             logger.info("Deleted old checkpoint %s (keep_latest_k=%d)", complete[step], k)
 
     # ---------------------------------------------------------------- load
-    def load(self) -> int:
-        """Restore the newest complete checkpoint (or `load_step`), else the model weights of
-        `initial_load_path`. Returns the step to resume from: the checkpoint's step when the train
-        state was restored, else 0 (fresh start, weights only, or train_state excluded)."""
-        choice, err = None, None
-        if self.cfg.enable and _rank() == 0:
-            try:
-                choice = self._choose_step_dir()
-            except ValueError as e:
-                err = str(e)
-        if _dist_on():  # every rank loads rank 0's choice and fails with it, rather than hang
-            box = [choice, err]
-            dist.broadcast_object_list(box, src=0)
-            choice, err = box
-        if err:
-            raise ValueError(err)
-        if choice is not None:
-            return self._load_from(Path(choice), weights_only=False)
-        if self.cfg.initial_load_path:
-            path = Path(self.cfg.initial_load_path)
-            _check_dcp_dir(path, "checkpoint.initial_load_path")
-            self._load_from(path, weights_only=True)
+    def load(self, plan: "LoadPlan | None") -> int:
+        """Restore what `plan_load` chose (nothing when None). Returns the step to resume from:
+        the checkpoint's step when the train state was restored, else 0."""
+        if plan is None:
             return 0
-        return 0
-
-    def _choose_step_dir(self) -> str | None:
-        complete, partial = scan_checkpoints(self.folder)
-        for p in partial:
-            logger.warning("Ignoring partial checkpoint %s (a save did not finish)", p)
-        step = self.cfg.load_step
-        if step >= 0:
-            if step not in complete:
-                raise ValueError(
-                    f"checkpoint.load_step={step}: no complete checkpoint "
-                    f"{self.folder}/step-{step}; complete steps there: {sorted(complete)}"
-                )
-            return str(complete[step])
-        return str(complete[max(complete)]) if complete else None
+        return self._load_from(plan.path, plan.weights_only)
 
     def _load_from(self, path: Path, weights_only: bool) -> int:
-        _check_dcp_dir(path, "checkpoint")
-        try:
-            saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        except Exception as e:
-            raise RuntimeError(
-                f"cannot read checkpoint metadata {path / '.metadata'} ({e}): the checkpoint is "
-                f"damaged; delete {path} to resume from an older one, or pick one with "
-                "--checkpoint.load_step"
-            ) from e
+        saved = _read_metadata(path)
         meta = self._read(path, {"meta": b""})["meta"] if "meta" in saved else b""
         meta = pickle.loads(meta) if meta else {"model_only": True}
         parts = set() if weights_only or meta["model_only"] else set(EXCLUDABLE)
@@ -379,7 +401,7 @@ class CheckpointManager:
             with _quiet_single_process():
                 dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:
-            raise RuntimeError(f"failed to load checkpoint {path}: {_dcp_reason(e)}") from e
+            raise CheckpointError(f"failed to load checkpoint {path}: {_dcp_reason(e)}") from e
         return state
 
     @staticmethod
@@ -398,38 +420,3 @@ class CheckpointManager:
                 f"checkpoint {path} does not match the model (wrong flavor?): "
                 f"{'; '.join(problems[:8])}{more}"
             )
-
-    # ---------------------------------------------------------------- preemption
-    def install_signal_handlers(self) -> None:
-        """SIGTERM (scheduler kill) and SIGUSR1 (SLURM's preemption warning) only set a flag: the
-        training step finishes, then `should_stop()` makes every rank save and exit together."""
-
-        def handler(signum, frame):
-            logger.warning("Got signal %d: will save a checkpoint and stop", signum)
-            self._stop_flag = True
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, handler)
-
-    def should_stop(self) -> bool:
-        """Collective when distributed: a signal may reach only some ranks, so take the MAX."""
-        if not _dist_on() or dist.get_world_size() == 1:
-            return self._stop_flag
-        device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-        flag = torch.tensor([int(self._stop_flag)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self._stop_flag = bool(flag.item())
-        return self._stop_flag
-
-
-def create_seed_checkpoint(ckpt_cfg, dump_folder, model) -> Path:
-    """Single process: save freshly initialized weights as step-0 (model only), to be loaded and
-    resharded by any parallel layout (facts 12b: CPU DTensor random init is not usable)."""
-    if _dist_on() and dist.get_world_size() > 1:
-        raise ValueError(
-            "checkpoint.create_seed_checkpoint must run in a single process (no torchrun)"
-        )
-    mgr = CheckpointManager(ckpt_cfg, dump_folder, model, None, None, None, None)
-    mgr.save(0, model_only=True)
-    mgr.close()
-    return mgr.folder / "step-0"

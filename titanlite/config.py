@@ -27,6 +27,8 @@ class ConfigError(Exception):
 
 
 DTYPE_CHOICES = ("float32", "bfloat16")
+# Parts of a checkpoint a run may choose not to load (the model always loads).
+EXCLUDABLE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 
 
 def opt(default, help, choices=(), ge=None, lt=None):
@@ -107,7 +109,10 @@ class Training:
     seed: int = opt(42, "Random seed")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
     mixed_precision_param: str = opt(
-        "bfloat16", "Dtype of parameters in forward/backward", choices=DTYPE_CHOICES
+        "auto",
+        "Compute dtype of parameters in forward/backward; auto = bfloat16 where the device has "
+        "fast bf16 (CUDA, CPU with AVX512-BF16/AMX), else float32",
+        choices=("auto", *DTYPE_CHOICES),
     )
     mixed_precision_reduce: str = opt(
         "float32", "Dtype of gradient reductions", choices=DTYPE_CHOICES
@@ -141,7 +146,9 @@ class Checkpoint:
     keep_latest_k: int = opt(0, "Keep only the newest K checkpoints (0 = keep all)", ge=0)
     load_step: int = opt(-1, "Step to resume from (-1 = newest)")
     initial_load_path: str = opt("", "Checkpoint to start from when the folder has none")
-    exclude_from_loading: list[str] = opt([], "State keys not to load, e.g. optimizer,lr_scheduler")
+    exclude_from_loading: list[str] = opt(
+        [], "Parts not to load, e.g. optimizer,lr_scheduler", choices=EXCLUDABLE
+    )
     export_dtype: str = opt("float32", "Dtype of exported model weights", choices=DTYPE_CHOICES)
     async_mode: str = opt("disabled", "Save in the background", choices=("disabled", "async"))
     create_seed_checkpoint: bool = opt(False, "Write the initial weights as step 0 and exit")
@@ -273,10 +280,11 @@ def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
 
 
 def _check(f: dataclasses.Field, value: Any, where: str) -> None:
-    """Single-field checks: allowed choices and numeric range."""
+    """Single-field checks: allowed choices (for every item of a list) and numeric range."""
     choices, ge, lt = f.metadata["choices"], f.metadata["ge"], f.metadata["lt"]
-    if choices and value not in choices:
-        raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
+    for item in value if isinstance(value, list) else [value]:
+        if choices and item not in choices:
+            raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {item!r}")
     # written as `not value >= ge` so that NaN fails too
     too_low = ge is not None and not value >= ge
     too_high = lt is not None and not value < lt
@@ -378,7 +386,48 @@ def parse_args(argv: list[str]) -> JobConfig:
     for name, value in overrides.items():
         section, key = name.split(".")
         setattr(getattr(cfg, section), key, value)
+    _check_combinations(cfg)
     return cfg
+
+
+def _check_combinations(cfg: JobConfig) -> None:
+    """Checks that involve more than one option (single options are checked as they are read)."""
+    ckpt, ac = cfg.checkpoint, cfg.activation_checkpoint
+    if ckpt.load_step >= 0 and not ckpt.enable:
+        raise ConfigError(
+            f"--checkpoint.load_step {ckpt.load_step} needs --checkpoint.enable (resuming reads "
+            "the run's own checkpoint folder)"
+        )
+    if ckpt.create_seed_checkpoint and (ckpt.initial_load_path or ckpt.load_step >= 0):
+        raise ConfigError(
+            "--checkpoint.create_seed_checkpoint writes fresh weights; it cannot be combined with "
+            "checkpoint.initial_load_path or checkpoint.load_step"
+        )
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
+            f"(checkpoint every Nth block), got {option!r}"
+        )
+
+
+def resolve_global_batch(training: Training, dp_degree: int) -> tuple[int, int]:
+    """(global batch size, microbatches per rank) for this data-parallel degree.
+
+    global_batch_size -1 means one microbatch of local_batch_size rows on every dp rank; any other
+    value must split evenly into local_batch_size-row microbatches on every dp rank.
+    """
+    lb = training.local_batch_size
+    per_step = lb * dp_degree  # rows one microbatch on every dp rank covers
+    g = per_step if training.global_batch_size == -1 else training.global_batch_size
+    if g <= 0 or g % per_step:
+        nearest = max(1, round(g / per_step)) * per_step
+        raise ConfigError(
+            f"training.global_batch_size ({g}) must be a positive multiple of "
+            f"training.local_batch_size ({lb}) x data-parallel degree ({dp_degree}) = {per_step}; "
+            f"e.g. {nearest}, or -1 for {per_step}"
+        )
+    return g, g // per_step
 
 
 def format_help() -> str:
@@ -396,6 +445,8 @@ def format_help() -> str:
             default = f.default_factory() if f.default is MISSING else f.default
             choices = f.metadata["choices"]
             kind = "{" + "|".join(choices) + "}" if choices else _TYPE_LABELS[f.type]
+            if choices and f.type == list[str]:
+                kind = f"LIST of {kind}"
             lines.append(f"  --{s.name}.{f.name} {kind}  (default: {default!r})")
             lines.append(f"        {f.metadata['help']}")
     return "\n".join(lines)

@@ -93,9 +93,9 @@ def dist_sum(tensor: torch.Tensor, mesh_or_group=None) -> torch.Tensor:
     return _all_reduce(tensor, dist.ReduceOp.SUM, mesh_or_group)
 
 
-def dist_max(tensor: torch.Tensor, mesh_or_group=None) -> torch.Tensor:
-    """Elementwise max of `tensor` over the ranks of a 1-D mesh / group (a copy)."""
-    return _all_reduce(tensor, dist.ReduceOp.MAX, mesh_or_group)
+def world_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of `tensor` over every rank of the job (a copy; no-op in world 1)."""
+    return _all_reduce(tensor, dist.ReduceOp.SUM, dist.group.WORLD)
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -119,8 +119,9 @@ def clip_grad_norm_(
 
     torch's clip_grad_norm_ stacks per-param norms and fails when params live on different meshes
     (e.g. FSDP-only norms next to FSDP x TP weights), so the norm is taken per mesh group, made
-    global with full_tensor(), and combined here. max_norm <= 0 only measures. A non-finite norm is
-    returned without touching the grads: the caller decides to stop or skip the step.
+    global with full_tensor(), and combined here. max_norm <= 0 only measures. A non-finite norm
+    leaves the grads untouched, without reading it on the host here: the caller reads the norm
+    once per step and stops or skips the step.
     """
     groups: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
@@ -133,8 +134,11 @@ def clip_grad_norm_(
         n = _total_norm([p.grad for p in ps], norm_type)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type).float()
-    if max_norm > 0 and torch.isfinite(total):
+    if max_norm > 0:
+        # A non-finite norm is replaced by 0, whose clip factor is clamped to 1: a select on the
+        # device instead of a branch on the host.
+        clip_by = torch.where(total.isfinite(), total, 0.0)
         for ps in groups.values():
             # Takes PARAMS (it reads p.grad); passing grads would silently clip nothing.
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, clip_by)
     return total

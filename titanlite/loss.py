@@ -4,12 +4,29 @@ The trainer divides by the global token count itself (one all-reduce per step), 
 returns a sum, never a mean: microbatches and ranks can then be added exactly.
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 IGNORE_INDEX = -100
+
+
+class VocabShard(NamedTuple):
+    """Which rows of the output layer this process holds, and how to combine per-token values
+    with the processes holding the rest of the vocabulary (in place, returning the tensor).
+
+    The loss knows nothing of ranks: tensor parallelism passes a shard whose reductions are
+    all-reduces over its group (models/llama/tp_loss.py); one process holds the whole vocab.
+    """
+
+    vocab_start: int
+    all_max: Callable[[torch.Tensor], torch.Tensor]
+    all_sum: Callable[[torch.Tensor], torch.Tensor]
+
+
+WHOLE_VOCAB = VocabShard(0, lambda t: t, lambda t: t)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -17,12 +34,6 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     # Upcast: bf16 logsumexp over a 128k vocab loses too much precision.
     flat = logits.flatten(0, -2).float()  # [..., V] -> [N, V]
     return F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 def _chunk_logits(h_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -65,13 +76,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     No chunk's logits survive the forward; backward recomputes them tile by tile (vocab blocks x
     token chunks), so activation memory is O(chunk_tokens x vocab) instead of O(N x vocab), and
-    the fp32 gradient accumulators add O(N x d) plus one block. With a process group, `weight`
-    holds rows [vocab_start, vocab_start + V_local) of a vocab-sharded output layer (tensor
-    parallel) and the per-token max, sum of exponentials and target logit are all-reduced.
+    the fp32 gradient accumulators add O(N x d) plus one block. `weight` holds rows
+    [shard.vocab_start, shard.vocab_start + V_local) of the vocabulary; the per-token max, sum of
+    exponentials and target logit are combined with the other shards through `shard`.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_tokens, vocab_start, group):
+    def forward(ctx, h, weight, labels, chunk_tokens, shard: VocabShard):
         # h [N, d], weight [V_local, d], labels [N]
         n, local_vocab = h.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -80,16 +91,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             end = min(start + chunk_tokens, n)
             logits = _chunk_logits(h[start:end], weight)  # [t, V_local]
             y = labels[start:end]
-            idx, mine = _local_targets(y, vocab_start, local_vocab)
+            idx, mine = _local_targets(y, shard.vocab_start, local_vocab)
             target = torch.where(mine, logits.gather(1, idx.unsqueeze(1)).squeeze(1), 0.0)
-            m = _all_reduce(logits.amax(dim=1), dist.ReduceOp.MAX, group)  # [t]
+            m = shard.all_max(logits.amax(dim=1))  # [t]
             # exp in place: the chunk's logits are not needed after this.
             sumexp = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1)  # [t]
-            both = _all_reduce(torch.stack([sumexp, target]), dist.ReduceOp.SUM, group)  # [2, t]
+            both = shard.all_sum(torch.stack([sumexp, target]))  # [2, t]
             chunk_lse = m + both[0].log()
             total += torch.where(y != IGNORE_INDEX, chunk_lse - both[1], 0.0).sum()
             lse[start:end] = chunk_lse
-        ctx.chunk_tokens, ctx.vocab_start, ctx.group = chunk_tokens, vocab_start, group
+        ctx.chunk_tokens, ctx.shard = chunk_tokens, shard
         ctx.save_for_backward(h, weight, labels, lse)
         return total
 
@@ -107,11 +118,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         for v0 in range(0, vocab, block):
-            w_b = weight[v0 : v0 + block]  # [Vb, d]
+            w_b, w_start = weight[v0 : v0 + block], ctx.shard.vocab_start + v0  # [Vb, d]
             acc = torch.zeros(w_b.shape, dtype=torch.float32, device=h.device) if need_w else None
             for start in range(0, n, step):
                 sl, h_c = slice(start, start + step), h[start : start + step]  # t <= step tokens
-                g = _grad_logits(h_c, w_b, labels[sl], lse[sl], scale[sl], ctx.vocab_start + v0)
+                g = _grad_logits(h_c, w_b, labels[sl], lse[sl], scale[sl], w_start)
                 if need_h:
                     _add_mm(grad_h[sl], g, w_b)
                 if need_w:
@@ -120,59 +131,26 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 grad_w[v0 : v0 + block] = acc  # cast to the weight dtype
         if need_h:
             # Each rank's vocab slice contributes a partial dL/dh; h is replicated, so sum them.
-            grad_h = _all_reduce(grad_h, dist.ReduceOp.SUM, ctx.group).to(h.dtype)
-        return grad_h, grad_w, None, None, None, None
-
-
-def _tp_local_inputs(h, weight: DTensor):
-    """Vocab-sharded DTensor weight (TP output layer) -> local h, local weight, offset, group."""
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-        raise ValueError(
-            "loss.chunk_tokens > 0 needs the output weight sharded on vocab over one "
-            f"tensor-parallel mesh dim, got placements {weight.placements} on {mesh}; "
-            "set --loss.chunk_tokens 0"
-        )
-    if isinstance(h, DTensor):
-        # Sequence-parallel hidden states: every rank needs all tokens against its vocab slice.
-        h = h.redistribute(mesh, [Replicate()]).to_local()
-    # Shard(0) splits like torch.chunk: ceil(V / n) rows per rank, the last ones may get fewer.
-    vocab, n = weight.shape[0], mesh.size()
-    vocab_start = min(mesh.get_local_rank() * -(-vocab // n), vocab)
-    local = weight.to_local()
-    assert local.shape[0] == min(-(-vocab // n), vocab - vocab_start), (local.shape, vocab)
-    return h, local, vocab_start, mesh.get_group()
-
-
-def _check_labels(labels: torch.Tensor, vocab: int) -> None:
-    # F.cross_entropy rejects such labels; the chunked path would silently count them as
-    # "another rank's vocab slice", so check here (one host sync per call).
-    bad = (labels >= vocab) | ((labels < 0) & (labels != IGNORE_INDEX))
-    if bad.any():
-        raise ValueError(
-            f"labels must be in [0, {vocab}) or {IGNORE_INDEX}, got {labels[bad][:5].tolist()}; "
-            "is the tokenizer's vocabulary larger than the model's vocab_size?"
-        )
+            grad_h = ctx.shard.all_sum(grad_h).to(h.dtype)
+        return grad_h, grad_w, None, None, None
 
 
 def linear_cross_entropy_sum(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    shard: VocabShard = WHOLE_VOCAB,
 ) -> torch.Tensor:
     """Equal to cross_entropy_sum(h @ weight.T, labels), computed chunk_tokens tokens at a time.
 
-    h [b, s, d] or [N, d], weight [V, d], labels [b, s] or [N]; returns an fp32 scalar (a plain
-    tensor, identical on every rank, when weight is a vocab-sharded DTensor under TP).
+    h [b, s, d] or [N, d], weight [V_local, d], labels [b, s] or [N] in [0, V) or IGNORE_INDEX.
+    The data loader checks the label range on the CPU: checking here would cost a device sync
+    per call, and a label outside every shard would silently count as "another shard's".
+    Returns an fp32 scalar, identical on every process sharing the vocabulary.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 for the chunked loss, got {chunk_tokens}")
-    if isinstance(labels, DTensor):
-        labels = labels.full_tensor()
-    _check_labels(labels, weight.shape[0])
-    vocab_start, group = 0, None
-    if isinstance(weight, DTensor):
-        h, weight, vocab_start, group = _tp_local_inputs(h, weight)
-    elif isinstance(h, DTensor):
-        raise ValueError("h is a DTensor but the output weight is not; both must come from TP")
     flat_h = h.reshape(-1, h.shape[-1])  # [b, s, d] -> [N, d]
     flat_y = labels.reshape(-1)  # [b, s] -> [N]
-    return _LinearCrossEntropySum.apply(flat_h, weight, flat_y, chunk_tokens, vocab_start, group)
+    return _LinearCrossEntropySum.apply(flat_h, weight, flat_y, chunk_tokens, shard)

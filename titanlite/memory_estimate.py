@@ -252,8 +252,20 @@ def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda
         ac_mode=cfg.activation_checkpoint.mode,
         selective_ac_option=cfg.activation_checkpoint.selective_ac_option,
         chunk_tokens=cfg.loss.chunk_tokens,
-        param_dtype=t.mixed_precision_param,
+        param_dtype=_compute_dtype_name(t.mixed_precision_param, device),
         loss_parallel=p.enable_loss_parallel and pd.tp > 1,
         reshard_after_forward=p.fsdp_reshard_after_forward,
         device=device,
     )
+
+
+def _compute_dtype_name(choice: str, device: str) -> str:
+    """ "auto" as train.py resolves it on the target device: the GPUs this estimates for have
+    fast bf16; a CPU is this machine, so its own answer is the right one."""
+    if choice != "auto":
+        return choice
+    if device == "cuda":
+        return "bfloat16"
+    from titanlite.precision import resolve_param_dtype
+
+    return str(resolve_param_dtype(choice, torch.device(device))).removeprefix("torch.")

@@ -57,7 +57,9 @@ def get_peak_flops(
 
     override_tflops > 0 wins. On GPU the table holds bf16 dense peaks; fp32 training is also
     measured against the bf16 peak (as torchtitan does), since bf16 is what the hardware is for.
-    On CPU there is no datasheet number we can trust, so we calibrate (see _calibrate_cpu).
+    On CPU there is no datasheet number we can trust, so we calibrate (see _calibrate_cpu) in
+    `dtype`, which must be the dtype training actually computes in (resolve_param_dtype's
+    result): an emulated bf16 peak is ~50x lower than fp32's and would inflate MFU accordingly.
     """
     if override_tflops > 0:
         return override_tflops * 1e12
@@ -85,8 +87,18 @@ def _warn_unknown(name: str) -> None:
     return None
 
 
-def _calibrate_cpu(dtype: torch.dtype, size: int = 2048, reps: int = 5) -> float:
-    """Best-of-`reps` FLOP/s of a size x size matmul in `dtype`, measured once per process.
+def _calibrate_cpu(
+    dtype: torch.dtype, target_s: float = 0.02, budget_s: float = 0.3, max_size: int = 2048
+) -> float:
+    """Best-of-3 FLOP/s of a square matmul in `dtype` (the compute dtype), once per process.
+
+    The size is chosen by time, not fixed: a fixed 2048^3 took ~100 s where bf16 is emulated
+    (~1 GFLOP/s on AVX2-only CPUs). It starts at 128 and doubles until the matmul is big enough
+    to be compute-bound: one call takes `target_s` AND doubling the size (8x the work) at least
+    quadrupled the time. Below that, per-call overhead (thread wake-up, worst on a busy CPU)
+    would understate the peak and so inflate MFU; for the same reason the peak is the best rate
+    of any size, so one stalled size cannot set it. No new size starts after `budget_s`, so it
+    takes ~0.1-0.5 s, under 1 s on any CPU whose calls do not stall for tens of ms each.
 
     Per process means per rank: each rank measures with its own torch thread count, which is
     what its training matmuls get too (with several ranks on one machine each sees its share).
@@ -94,20 +106,29 @@ def _calibrate_cpu(dtype: torch.dtype, size: int = 2048, reps: int = 5) -> float
     """
     key = (dtype, torch.get_num_threads())
     if key not in _cpu_peak_cache:
-        a = torch.randn(size, size).to(dtype)
-        b = torch.randn(size, size).to(dtype)
-        a @ b  # warm-up: first call pays for allocation and kernel selection
-        best = math.inf
-        for _ in range(reps):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        _cpu_peak_cache[key] = 2 * size**3 / best
+        size, prev, peak, start = 128, math.inf, 0.0, time.perf_counter()
+        while True:
+            a = torch.randn(size, size).to(dtype)
+            b = torch.randn(size, size).to(dtype)
+            a @ b  # warm-up: first call at a size pays for allocation and kernel selection
+            best = min(_time_matmul(a, b) for _ in range(3))
+            peak = max(peak, 2 * size**3 / best)
+            compute_bound = best >= target_s and best >= 4 * prev
+            if compute_bound or size >= max_size or time.perf_counter() - start > budget_s:
+                break
+            size, prev = 2 * size, best
+        _cpu_peak_cache[key] = peak
         logger.info(
-            f"CPU peak (matmul calibration, {dtype}, {key[1]} threads): "
+            f"CPU peak (matmul calibration, {dtype}, up to {size}^3, {key[1]} threads): "
             f"{_cpu_peak_cache[key] / 1e12:.3f} TFLOP/s"
         )
     return _cpu_peak_cache[key]
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    a @ b
+    return time.perf_counter() - start
 
 
 def compute_throughput(

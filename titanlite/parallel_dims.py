@@ -139,5 +139,11 @@ class ParallelDims:
         return self._mesh()["dp_shard"]
 
     @property
+    def counts_step_tokens(self) -> bool:
+        """Whether this rank adds its labels to the step's token count: TP peers hold the same
+        labels, so only the first of each TP group does."""
+        return not self.tp_enabled or self._mesh()["tp"].get_local_rank() == 0
+
+    @property
     def tp_mesh(self) -> DeviceMesh | None:
         return self._mesh()["tp"] if self.tp_enabled else None

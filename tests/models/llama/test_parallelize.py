@@ -25,6 +25,7 @@ from titanlite.models.llama.parallelize import (
     parallelize_llama,
 )
 from titanlite.parallel_dims import ParallelDims
+from titanlite.precision import DTYPES
 
 ARGS = ModelArgs(
     dim=64, n_layers=3, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=32, max_seq_len=32
@@ -56,9 +57,8 @@ def cfgs(
         parallelism_cfg=SimpleNamespace(
             enable_loss_parallel=loss_parallel, fsdp_reshard_after_forward=reshard
         ),
-        training_cfg=SimpleNamespace(
-            mixed_precision_param=param_dtype, mixed_precision_reduce="float32"
-        ),
+        param_dtype=DTYPES[param_dtype],
+        reduce_dtype=torch.float32,
         ac_cfg=SimpleNamespace(mode=ac_mode, selective_ac_option=ac_option),
         compile_cfg=SimpleNamespace(enable=compile_, backend="inductor"),
     )
@@ -116,10 +116,10 @@ def run_layout(name, ref_state, ref_rope):
     lp = options.get("loss_parallel", False)
     pd = ParallelDims(*degrees, int(os.environ["WORLD_SIZE"]))
     pd.validate_model(ARGS, SimpleNamespace(enable_loss_parallel=lp))
-    mesh = pd.build_mesh("cpu")
+    pd.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parallelize_llama(model, pd, mesh, **cfgs(**options))
+    parallelize_llama(model, pd, **cfgs(**options))
     model.to_empty(device="cpu")
     init_weights_parallel(model, ARGS, SEED, "cpu")
     state = {k: full(v) for k, v in model.state_dict().items()}
@@ -161,6 +161,7 @@ def reference_run():
     return train(model, None, 0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, parallel_results, reference_run):
     res = parallel_results[name]
@@ -174,6 +175,7 @@ def test_layout_matches_single_process(name, parallel_results, reference_run):
     assert res["norms"] == pytest.approx(ref_norms, rel=rel)
 
 
+@pytest.mark.slow
 def test_fsdp_shards_params_and_tp_splits_heads(parallel_results):
     total = sum(p.nbytes for p in reference_model().parameters())
     # Uneven dims (e.g. 3 blocks' norms of 64 over 4 ranks) pad at most one row per param.
@@ -195,9 +197,7 @@ def one_step(model):
 def test_activation_checkpointing_matches_eager(ac_mode, option):
     pd = ParallelDims(1, 1, 1, 1)
     ref_loss, ref_grads = one_step(reference_model())
-    model = parallelize_llama(
-        reference_model(), pd, None, **cfgs(ac_mode=ac_mode, ac_option=option)
-    )
+    model = parallelize_llama(reference_model(), pd, **cfgs(ac_mode=ac_mode, ac_option=option))
     wrapped = sum("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
     assert wrapped > 0
     loss, grads = one_step(model)
@@ -206,27 +206,18 @@ def test_activation_checkpointing_matches_eager(ac_mode, option):
         torch.testing.assert_close(g, ref_grads[k.replace("_checkpoint_wrapped_module.", "")])
 
 
+@pytest.mark.slow
 def test_compiled_blocks_with_selective_ac_match_eager():
     """The full per-block stack (SAC inside compile); inductor's cold compile dominates (~30 s)."""
     pd = ParallelDims(1, 1, 1, 1)
     ref_loss, ref_grads = one_step(reference_model())
     options = cfgs(compile_=True, ac_mode="selective", ac_option="op")
-    model = parallelize_llama(reference_model(), pd, None, **options)
+    model = parallelize_llama(reference_model(), pd, **options)
     loss, grads = one_step(model)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for k, g in grads.items():
         name = k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5)
-
-
-def test_invalid_ac_option():
-    with pytest.raises(ValueError, match="selective_ac_option"):
-        parallelize_llama(
-            reference_model(),
-            ParallelDims(1, 1, 1, 1),
-            None,
-            **cfgs(ac_mode="selective", ac_option="x"),
-        )
 
 
 if __name__ == "__main__":

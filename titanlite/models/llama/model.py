@@ -1,7 +1,9 @@
 """Llama 3 in plain PyTorch. Knows nothing of ranks, meshes or configs.
 
 Attribute names follow Meta's checkpoints so conversion is a key map. Parallelism is applied from
-the outside (parallelize.py); for that the attention derives its local head counts from shapes.
+the outside (parallelize.py); for that the attention derives its local head counts from shapes,
+and the chunked loss is an attribute that tensor parallelism replaces with its vocab-sharded
+version.
 """
 
 import math
@@ -164,6 +166,8 @@ class Transformer(nn.Module):
         # Non-persistent: derived from args, so checkpoints stay Meta-compatible; to_empty leaves it
         # garbage, hence init_weights recomputes it.
         self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
+        # (h, output weight, labels, chunk_tokens) -> summed CE; apply_tp swaps in a sharded one.
+        self.chunked_loss = linear_cross_entropy_sum
 
     def init_weights(self, buffer_device: torch.device | str | None = None):
         """Initialize every parameter and the RoPE buffer (after to_empty, or to re-init).
@@ -208,5 +212,5 @@ class Transformer(nn.Module):
         if labels is None:
             return self.output(h)
         if chunk_tokens > 0:
-            return linear_cross_entropy_sum(h, self.output.weight, labels, chunk_tokens)
+            return self.chunked_loss(h, self.output.weight, labels, chunk_tokens)
         return cross_entropy_sum(self.output(h), labels)

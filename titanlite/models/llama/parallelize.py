@@ -29,9 +29,8 @@ from titanlite.models.llama.model import (
     init_output_,
     precompute_rope_cache,
 )
+from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
 from titanlite.parallel_dims import ParallelDims
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Wrapper prefixes that checkpoint_wrapper / torch.compile insert into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -40,14 +39,18 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 def parallelize_llama(
     model: nn.Module,
     parallel_dims: ParallelDims,
-    world_mesh: DeviceMesh | None,
     *,
     parallelism_cfg,
-    training_cfg,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
     ac_cfg,
     compile_cfg,
 ) -> nn.Module:
-    """Transform `model` in place (blocks may be replaced by wrappers) and return it."""
+    """Transform `model` in place (blocks may be replaced by wrappers) and return it.
+
+    param_dtype / reduce_dtype are FSDP's compute and gradient-reduction dtypes, already resolved
+    (titanlite.precision.resolve_param_dtype for "auto"); unused without FSDP.
+    """
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.tp_mesh, parallelism_cfg.enable_loss_parallel)
     if ac_cfg.mode != "none":
@@ -58,17 +61,11 @@ def parallelize_llama(
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh,
-            param_dtype=_dtype(training_cfg.mixed_precision_param, "mixed_precision_param"),
-            reduce_dtype=_dtype(training_cfg.mixed_precision_reduce, "mixed_precision_reduce"),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
             reshard_after_forward=parallelism_cfg.fsdp_reshard_after_forward,
         )
     return model
-
-
-def _dtype(name: str, key: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"training.{key} must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 def loss_parallel_ctx(enabled: bool):
@@ -81,8 +78,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) 
 
     The residual stream stays a DTensor (use_local_output=False on tok_embeddings / wo / w2):
     with plain local outputs, compiled blocks silently lose the embedding gradient under FSDP x TP
-    (probe item 9c). rope_cache reaches the blocks as a plain tensor and is only used after the
-    PrepareModuleInput all-gather, i.e. on the full sequence, so it needs no layout.
+    (AOTAutograd drops it). rope_cache reaches the blocks as a plain tensor and is only used
+    after the PrepareModuleInput all-gather, i.e. on the full sequence, so it needs no layout.
     """
     root_plan = {
         "tok_embeddings": RowwiseParallel(
@@ -97,6 +94,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) 
         ),
     }
     parallelize_module(model, tp_mesh, root_plan)
+    model.chunked_loss = tp_linear_cross_entropy_sum  # the output weight is now vocab-sharded
     block_plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(
@@ -140,19 +138,13 @@ def _sac_context():
 
 def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> None:
     """full: recompute every block; selective 'op': keep matmul/attention outputs;
-    selective 'N': full AC on every Nth block (blocks N-1, 2N-1, ...)."""
-    if mode not in ("full", "selective"):
-        raise ValueError(f"activation_checkpoint.mode must be none|full|selective, got {mode!r}")
+    selective 'N': full AC on every Nth block (blocks N-1, 2N-1, ...). The options are checked
+    by the config."""
     every = 1
     kwargs = {}
     if mode == "selective" and selective_option == "op":
         kwargs["context_fn"] = _sac_context
     elif mode == "selective":
-        if not selective_option.isdigit() or int(selective_option) < 1:
-            raise ValueError(
-                "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
-                f"(checkpoint every Nth block), got {selective_option!r}"
-            )
         every = int(selective_option)
     for key, block in model.layers.items():
         if (int(key) + 1) % every == 0:
@@ -180,11 +172,6 @@ def apply_fsdp(
     Gradients are SUMMED over data-parallel ranks: the trainer already divides the loss by the
     global token count, so FSDP's default averaging would divide twice.
     """
-    if reshard_after_forward not in ("default", "always", "never"):
-        raise ValueError(
-            "parallelism.fsdp_reshard_after_forward must be default|always|never, "
-            f"got {reshard_after_forward!r}"
-        )
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     keys = list(model.layers.keys())
     for key in keys:
@@ -248,7 +235,7 @@ def init_weights_parallel(model: nn.Module, model_args, seed: int, device) -> No
     """Give `model` (plain, TP, FSDP or both, after to_empty) exactly the weights of
     `torch.manual_seed(seed); Transformer(args).init_weights()` on CPU, for any layout.
 
-    DTensor random init on CPU meshes draws the same numbers on every rank (probe 12b), so each
+    DTensor random init on CPU meshes draws the same numbers on every rank, so each
     unit (embedding, each block, final norm, output) is built unsharded on CPU, one at a time,
     initialized in the single-process order from one CPU RNG stream, then sliced into the local
     shards. Peak extra memory is one unsharded unit; every rank pays the full RNG time.

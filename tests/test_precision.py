@@ -1,0 +1,117 @@
+"""Compute dtype selection: 'auto' follows the hardware's native bf16, explicit choices win."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from titanlite import metrics, precision
+from titanlite.config import DTYPE_CHOICES, parse_args
+
+
+def _cpu_bf16(monkeypatch, native: bool):
+    monkeypatch.setattr(precision, "_cpu_has_native_bf16", lambda: native)
+
+
+def test_dtype_table_matches_config_choices():
+    assert tuple(precision.DTYPES) == DTYPE_CHOICES
+    assert precision.DTYPES["float32"] is torch.float32
+    assert precision.DTYPES["bfloat16"] is torch.bfloat16
+
+
+def test_auto_is_the_default_and_the_debug_config_s():
+    assert parse_args([]).training.mixed_precision_param == "auto"
+    cfg = parse_args(["--job.config_file", "debug_model.toml"])
+    assert cfg.training.mixed_precision_param == "auto"
+
+
+def test_auto_is_fp32_on_cpu_without_native_bf16(monkeypatch, caplog):
+    _cpu_bf16(monkeypatch, False)
+    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
+        assert precision.resolve_param_dtype("auto", torch.device("cpu")) == torch.float32
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO
+    assert "float32" in record.getMessage()
+    assert "--training.mixed_precision_param bfloat16" in record.getMessage()
+
+
+def test_auto_is_bf16_on_cpu_with_native_bf16(monkeypatch, caplog):
+    _cpu_bf16(monkeypatch, True)
+    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
+        assert precision.resolve_param_dtype("auto", "cpu") == torch.bfloat16
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and "bfloat16" in record.getMessage()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_explicit_float32_is_honoured_silently(monkeypatch, caplog, native):
+    _cpu_bf16(monkeypatch, native)
+    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
+        assert precision.resolve_param_dtype("float32", "cpu") == torch.float32
+    assert not caplog.records
+
+
+def test_forcing_bf16_on_emulating_cpu_warns_but_is_honoured(monkeypatch, caplog):
+    _cpu_bf16(monkeypatch, False)
+    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
+        assert precision.resolve_param_dtype("bfloat16", "cpu") == torch.bfloat16
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "emulated" in record.getMessage()
+
+
+def test_explicit_bf16_on_native_cpu_is_silent(monkeypatch, caplog):
+    _cpu_bf16(monkeypatch, True)
+    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
+        assert precision.resolve_param_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert not caplog.records
+
+
+def test_unknown_choice_names_the_choices():
+    with pytest.raises(ValueError, match="auto.*float32.*bfloat16.*'float16'"):
+        precision.resolve_param_dtype("float16", "cpu")
+
+
+@pytest.mark.parametrize(
+    "caps, native",
+    [
+        ({"avx2": True, "avx512_bf16": False, "amx_bf16": False}, False),
+        ({"avx512_f": True, "avx512_bf16": True}, True),
+        ({"amx_tile": True, "amx_bf16": True}, True),
+        ({"architecture": "aarch64", "bf16": True}, False),  # conservative: not x86 native bf16
+    ],
+)
+def test_cpu_probe_reads_torch_capabilities(monkeypatch, caps, native):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps, raising=False)
+    assert precision.has_fast_bf16(torch.device("cpu")) is native
+
+
+def test_cpu_probe_falls_back_to_private_probes_on_older_torch(monkeypatch):
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert precision.has_fast_bf16(torch.device("cpu"))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not precision.has_fast_bf16(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("ampere", [False, True])
+def test_cuda_follows_native_bf16_support(monkeypatch, ampere):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: ampere)
+    assert precision.has_fast_bf16(torch.device("cuda", 0)) is ampere
+    expected = torch.bfloat16 if ampere else torch.float32
+    assert precision.resolve_param_dtype("auto", torch.device("cuda", 0)) == expected
+
+
+def test_unknown_device_type_is_not_fast():
+    assert not precision.has_fast_bf16(torch.device("meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calibration_of_the_compute_dtype_is_positive(monkeypatch, dtype):
+    # Timing is not asserted (shared CPUs); the size is chosen by a time budget (see metrics).
+    monkeypatch.setattr(metrics, "_cpu_peak_cache", {})
+    peak = metrics.get_peak_flops(torch.device("cpu"), dtype)
+    assert peak > 0 and math.isfinite(peak)
+    assert (dtype, torch.get_num_threads()) in metrics._cpu_peak_cache

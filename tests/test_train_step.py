@@ -1,0 +1,87 @@
+"""train.py's step, in process: its pieces are plain functions, and the hot path syncs the host
+with the device once per step (reading "finite?" and "stop?" together)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import train
+from titanlite.config import parse_args
+from titanlite.distributed import init_distributed
+
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__}
+_READS |= {torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class HostSyncs(TorchFunctionMode):
+    """Records every read of a tensor value by the host (each one waits for the device on a GPU)
+    and every transfer titanlite asks for without non_blocking (from pageable memory it would
+    wait for the device too). On this CPU-only machine source and target are both the CPU, so
+    transfers are judged by the call, made from titanlite's own code, not by what it costs."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.blocking_copies = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READS:
+            self.reads.append(args[0])
+        moves = func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_)
+        if moves and not kwargs.get("non_blocking") and _names_a_device(args[1:], kwargs):
+            caller = Path(sys._getframe(1).f_code.co_filename).resolve()
+            if caller.is_relative_to(REPO) and ".venv" not in caller.parts:
+                self.blocking_copies.append(f"{caller.name}:{sys._getframe(1).f_lineno}")
+        return func(*args, **kwargs)
+
+
+def _names_a_device(args, kwargs) -> bool:
+    return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
+
+
+@pytest.fixture
+def trainer(tmp_path, request):
+    chunk = request.param
+    argv = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
+    argv += ["--training.seq_len", "32", "--training.local_batch_size", "2"]
+    argv += ["--training.global_batch_size", "4", "--training.mixed_precision_param", "float32"]
+    argv += ["--loss.chunk_tokens", str(chunk), "--metrics.peak_tflops", "1"]
+    argv += ["--no-metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)]
+    t = train.Trainer(parse_args(argv), init_distributed())
+    yield t
+    t.close()
+
+
+@pytest.mark.parametrize("trainer", [0, 16], indirect=True, ids=["plain-loss", "chunked-loss"])
+def test_one_host_sync_per_step(trainer):
+    assert trainer.loader.num_microbatches == 2  # accumulation is part of what is checked
+    for _ in range(2):  # the first step creates the optimizer state; both must be clean
+        with HostSyncs() as syncs:
+            out = trainer.train_step()
+        # AdamW keeps its step counters on the host (unless capturable): reading them is free.
+        counters = [s["step"] for s in trainer.optimizer.state.values()]
+        device_reads = [t for t in syncs.reads if not any(t is c for c in counters)]
+        assert len(device_reads) == 1, f"{len(device_reads)} host syncs in one step"
+        assert syncs.blocking_copies == []
+        assert not out.stop and torch.isfinite(out.grad_norm)
+
+
+def test_every_due_at_its_frequency_and_the_last_step():
+    every = train.Every(25, last=90, first=True)
+    assert [s for s in range(1, 91) if every.due(s)] == [1, 25, 50, 75, 90]
+    assert not any(train.Every(10, 90, enabled=False).due(s) for s in range(1, 91))
+
+
+def test_step_tokens_count_each_label_once_and_carry_the_stop_vote():
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    microbatches = [(labels, labels), (labels[:1], labels[:1])]
+    tokens, votes = train.count_step_tokens(microbatches, True, True, torch.device("cpu"))
+    assert (tokens.item(), votes.item()) == (5, 1)
+    tokens, votes = train.count_step_tokens(microbatches, False, False, torch.device("cpu"))
+    assert (tokens.item(), votes.item()) == (0, 0)  # a TP peer: its labels are counted elsewhere
