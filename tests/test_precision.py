@@ -26,45 +26,23 @@ def test_auto_is_the_default_and_the_debug_config_s():
     assert cfg.training.mixed_precision_param == "auto"
 
 
-def test_auto_is_fp32_on_cpu_without_native_bf16(monkeypatch, caplog):
-    _cpu_bf16(monkeypatch, False)
-    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
-        assert precision.resolve_param_dtype("auto", torch.device("cpu")) == torch.float32
-    (record,) = caplog.records
-    assert record.levelno == logging.INFO
-    assert "float32" in record.getMessage()
-    assert "--training.mixed_precision_param bfloat16" in record.getMessage()
-
-
-def test_auto_is_bf16_on_cpu_with_native_bf16(monkeypatch, caplog):
-    _cpu_bf16(monkeypatch, True)
-    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
-        assert precision.resolve_param_dtype("auto", "cpu") == torch.bfloat16
-    (record,) = caplog.records
-    assert record.levelno == logging.INFO and "bfloat16" in record.getMessage()
-
-
-@pytest.mark.parametrize("native", [False, True])
-def test_explicit_float32_is_honoured_silently(monkeypatch, caplog, native):
+@pytest.mark.parametrize(
+    "native, choice, dtype, level, says",
+    [
+        (False, "auto", torch.float32, logging.INFO, "--training.mixed_precision_param bfloat16"),
+        (True, "auto", torch.bfloat16, logging.INFO, "bfloat16"),
+        (False, "float32", torch.float32, None, ""),
+        (True, "float32", torch.float32, None, ""),
+        (False, "bfloat16", torch.bfloat16, logging.WARNING, "emulated"),  # honoured, warned
+        (True, "bfloat16", torch.bfloat16, None, ""),
+    ],
+)
+def test_choice_and_what_the_log_says(monkeypatch, caplog, native, choice, dtype, level, says):
     _cpu_bf16(monkeypatch, native)
     with caplog.at_level(logging.INFO, logger="titanlite.precision"):
-        assert precision.resolve_param_dtype("float32", "cpu") == torch.float32
-    assert not caplog.records
-
-
-def test_forcing_bf16_on_emulating_cpu_warns_but_is_honoured(monkeypatch, caplog):
-    _cpu_bf16(monkeypatch, False)
-    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
-        assert precision.resolve_param_dtype("bfloat16", "cpu") == torch.bfloat16
-    (record,) = caplog.records
-    assert record.levelno == logging.WARNING and "emulated" in record.getMessage()
-
-
-def test_explicit_bf16_on_native_cpu_is_silent(monkeypatch, caplog):
-    _cpu_bf16(monkeypatch, True)
-    with caplog.at_level(logging.INFO, logger="titanlite.precision"):
-        assert precision.resolve_param_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert not caplog.records
+        assert precision.resolve_param_dtype(choice, torch.device("cpu")) == dtype
+    assert [r.levelno for r in caplog.records] == ([level] if level else [])
+    assert says in caplog.text
 
 
 def test_unknown_choice_names_the_choices():

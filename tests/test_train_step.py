@@ -36,7 +36,7 @@ class HostSyncs(TorchFunctionMode):
         moves = func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_)
         if moves and not kwargs.get("non_blocking") and _names_a_device(args[1:], kwargs):
             caller = Path(sys._getframe(1).f_code.co_filename).resolve()
-            if caller.is_relative_to(REPO) and ".venv" not in caller.parts:
+            if caller.is_relative_to(REPO) and "site-packages" not in caller.parts:
                 self.blocking_copies.append(f"{caller.name}:{sys._getframe(1).f_lineno}")
         return func(*args, **kwargs)
 
