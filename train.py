@@ -115,6 +115,49 @@ class Every:
         return self.enabled and hit
 
 
+class LogWindow:
+    """The steps since the last log line: their summed wall and data-loading time, and the
+    results of the last of them (loss and grad norm are logged for that step, not averaged)."""
+
+    def __init__(self):
+        self.steps, self.seconds, self.data_seconds, self.last = 0, 0.0, 0.0, None
+
+    def add(self, out: StepResult):
+        self.steps += 1
+        self.seconds += out.seconds
+        self.data_seconds += out.data_seconds
+        self.last = out
+
+
+class Validator:
+    """Every validation.freq steps and at the last step (when enabled): the token-weighted loss
+    over the held-out split, every batch counted once, never a mean of batch means."""
+
+    def __init__(self, loader, validation_cfg, last_step, model_context, dp_mesh, device):
+        self.schedule = Every(validation_cfg.freq, last_step, enabled=loader is not None)
+        self.loader, self.steps = loader, validation_cfg.steps
+        self.model_context, self.dp_mesh, self.device = model_context, dp_mesh, device
+
+    def due(self, step: int) -> bool:
+        return self.schedule.due(step)
+
+    @torch.no_grad()
+    def run(self, model, chunk_tokens: int = 0) -> dict:
+        model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        for tok, labels in self.loader.iter_batches(self.steps):
+            tok, labels = to_device(tok, self.device), to_device(labels, self.device)
+            with self.model_context():
+                loss_sum += local_value(model(tok, labels, chunk_tokens=chunk_tokens))
+            tokens += (labels != IGNORE_INDEX).sum()
+        model.train()
+        if hasattr(model, "reshard"):  # FSDP's root stays unsharded after a no-grad forward
+            model.reshard()
+        val_loss = (dist_sum(loss_sum, self.dp_mesh) / dist_sum(tokens, self.dp_mesh)).item()
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+
 class Trainer:
     """Checks the job, builds every piece from its config section, resumes, and runs the loop."""
 
@@ -299,7 +342,7 @@ class Trainer:
             f"set --training.on_nonfinite skip."
         )
 
-    def train_metrics(self, window: "LogWindow") -> dict:
+    def train_metrics(self, window: LogWindow) -> dict:
         """The last step's loss and grad norm; throughput and data time averaged over the window;
         peak memory since the previous log line."""
         out = window.last
@@ -329,49 +372,6 @@ class Trainer:
         self.checkpointer.close()
         self.metrics.close()
         self.loader.close()
-
-
-class LogWindow:
-    """The steps since the last log line: their summed wall and data-loading time, and the
-    results of the last of them (loss and grad norm are logged for that step, not averaged)."""
-
-    def __init__(self):
-        self.steps, self.seconds, self.data_seconds, self.last = 0, 0.0, 0.0, None
-
-    def add(self, out: StepResult):
-        self.steps += 1
-        self.seconds += out.seconds
-        self.data_seconds += out.data_seconds
-        self.last = out
-
-
-class Validator:
-    """Every validation.freq steps and at the last step (when enabled): the token-weighted loss
-    over the held-out split, every batch counted once, never a mean of batch means."""
-
-    def __init__(self, loader, validation_cfg, last_step, model_context, dp_mesh, device):
-        self.schedule = Every(validation_cfg.freq, last_step, enabled=loader is not None)
-        self.loader, self.steps = loader, validation_cfg.steps
-        self.model_context, self.dp_mesh, self.device = model_context, dp_mesh, device
-
-    def due(self, step: int) -> bool:
-        return self.schedule.due(step)
-
-    @torch.no_grad()
-    def run(self, model, chunk_tokens: int = 0) -> dict:
-        model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
-        for tok, labels in self.loader.iter_batches(self.steps):
-            tok, labels = to_device(tok, self.device), to_device(labels, self.device)
-            with self.model_context():
-                loss_sum += local_value(model(tok, labels, chunk_tokens=chunk_tokens))
-            tokens += (labels != IGNORE_INDEX).sum()
-        model.train()
-        if hasattr(model, "reshard"):  # FSDP's root stays unsharded after a no-grad forward
-            model.reshard()
-        val_loss = (dist_sum(loss_sum, self.dp_mesh) / dist_sum(tokens, self.dp_mesh)).item()
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
 
 def main(argv=None) -> int:

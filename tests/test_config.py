@@ -218,6 +218,8 @@ def test_list_items_are_checked_against_the_choices(tmp_path):
     "argv, expected",
     [
         (["--checkpoint.load_step", "3"], "needs --checkpoint.enable"),
+        (["--lr_scheduler.decay_ratio", "1.5"], "decay_ratio must be in [0, 1], or -1"),
+        (["--optimizer.name", "SGD"], "AdamW"),
         (
             ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
              "--checkpoint.initial_load_path", "x"],

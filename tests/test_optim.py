@@ -54,13 +54,6 @@ def test_sqrt_decay_shape():
     assert lr == pytest.approx([1 - (i / 5) ** 0.5 for i in range(5)])
 
 
-def test_bad_decay_type_and_optimizer_name():
-    with pytest.raises(ValueError, match="decay_type"):
-        lrs({"decay_type": "exp", "warmup_steps": 0}, total=3)
-    with pytest.raises(ValueError, match="AdamW"):
-        build_optimizer(torch.nn.Linear(2, 2), opt_cfg(name="SGD"))
-
-
 def test_norm_weights_get_no_weight_decay():
     model = torch.nn.Sequential(
         torch.nn.Linear(3, 3, bias=False), torch.nn.LayerNorm(3, bias=False)

@@ -86,10 +86,12 @@ def test_unknown_device_type_is_not_fast():
     assert not precision.has_fast_bf16(torch.device("meta"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_calibration_of_the_compute_dtype_is_positive(monkeypatch, dtype):
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_peak_is_the_compute_dtype_s_where_native_else_fp32(monkeypatch, native):
     # Timing is not asserted (shared CPUs); the size is chosen by a time budget (see metrics).
     monkeypatch.setattr(metrics, "_cpu_peak_cache", {})
-    peak = metrics.get_peak_flops(torch.device("cpu"), dtype)
+    monkeypatch.setattr(metrics, "has_fast_bf16", lambda device: native)
+    peak = metrics.get_peak_flops(torch.device("cpu"), torch.bfloat16)
     assert peak > 0 and math.isfinite(peak)
-    assert (dtype, torch.get_num_threads()) in metrics._cpu_peak_cache
+    calibrated = torch.bfloat16 if native else torch.float32
+    assert list(metrics._cpu_peak_cache) == [(calibrated, torch.get_num_threads())]

@@ -403,6 +403,12 @@ def _check_combinations(cfg: JobConfig) -> None:
             "--checkpoint.create_seed_checkpoint writes fresh weights; it cannot be combined with "
             "checkpoint.initial_load_path or checkpoint.load_step"
         )
+    ratio = cfg.lr_scheduler.decay_ratio
+    if ratio != -1 and not 0 <= ratio <= 1:
+        raise ConfigError(
+            f"lr_scheduler.decay_ratio must be in [0, 1], or -1 for all steps after warmup; "
+            f"got {ratio}"
+        )
     option = ac.selective_ac_option
     if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(

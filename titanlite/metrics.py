@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from titanlite.precision import has_fast_bf16
+
 logger = logging.getLogger(__name__)
 
 _GIB = 2**30
@@ -58,13 +60,17 @@ def get_peak_flops(
     override_tflops > 0 wins. On GPU the table holds bf16 dense peaks; fp32 training is also
     measured against the bf16 peak (as torchtitan does), since bf16 is what the hardware is for.
     On CPU there is no datasheet number we can trust, so we calibrate (see _calibrate_cpu) in
-    `dtype`, which must be the dtype training actually computes in (resolve_param_dtype's
-    result): an emulated bf16 peak is ~50x lower than fp32's and would inflate MFU accordingly.
+    `dtype`, the dtype training computes in (resolve_param_dtype's result): a native-bf16 CPU's
+    bf16 peak is several times its fp32 peak. Emulated bf16 (an AVX2 CPU) has no peak of its own:
+    its speed varies ~2x with the matrix shape, so a calibration undershoots what the model
+    reaches (MFU read 200% here); it is measured against the fp32 peak, the hardware's real one.
     """
     if override_tflops > 0:
         return override_tflops * 1e12
     device = torch.device(device)
     if device.type == "cpu":
+        if dtype == torch.bfloat16 and not has_fast_bf16(device):
+            dtype = torch.float32
         return _calibrate_cpu(dtype)
     if device.type != "cuda" or not torch.cuda.is_available():
         return _warn_unknown(str(device))
