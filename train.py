@@ -11,21 +11,36 @@ builds each piece from its own config section, and `Trainer.train` runs the sche
 """
 
 import contextlib
+import json
 import logging
 import math
 import os
+import pickle
+import resource
+import shutil
 import sys
 import time
+from functools import partial
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
+from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load, publish
+from titanlite.checkpoint_stream import LazyTensor, save_lazily
 from titanlite.config import ConfigError, JobConfig, dump_toml, parse_args, resolve_global_batch
 from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.distributed import clip_grad_norm_, destroy, dist_sum, init_distributed, world_sum
+from titanlite.distributed import (
+    clip_grad_norm_,
+    destroy,
+    dist_sum,
+    init_distributed,
+    init_fake_distributed,
+    world_sum,
+)
 from titanlite.loss import IGNORE_INDEX
+from titanlite.memory_estimate import GIB, estimate, setup_from_config
 from titanlite.metrics import (
     DeviceMemoryMonitor,
     MetricsLogger,
@@ -34,13 +49,14 @@ from titanlite.metrics import (
     init_logger,
     num_flops_per_token,
 )
-from titanlite.models.llama.args import get_model_args, pad_vocab
+from titanlite.models.llama.args import ModelArgs, get_model_args, pad_vocab
 from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.parallelize import (
     init_weights_parallel,
     loss_parallel_ctx,
     parallelize_llama,
 )
+from titanlite.models.tiled_init import fill_
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
 from titanlite.precision import DTYPES, resolve_param_dtype
@@ -158,6 +174,64 @@ class Validator:
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
 
+class JobLayout(NamedTuple):
+    parallel_dims: ParallelDims
+    tokenizer: object
+    model_args: ModelArgs
+    global_batch_size: int
+    num_microbatches: int
+
+
+def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
+    """What a config can get wrong that needs no data, weights or device: degrees against the
+    world size, the model's shapes against TP, the batch arithmetic."""
+    p, t = cfg.parallelism, cfg.training
+    pd = ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree, world_size=world_size,
+    )  # fmt: skip
+    tokenizer = build_tokenizer(cfg.model)
+    args = model_args_for(cfg, tokenizer)
+    pd.validate_model(args, p)
+    global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
+    return JobLayout(pd, tokenizer, args, global_batch_size, num_microbatches)
+
+
+def model_args_for(cfg: JobConfig, tokenizer) -> ModelArgs:
+    return get_model_args(
+        cfg.model.flavor,
+        vocab_size=pad_vocab(tokenizer.n_words),
+        max_seq_len=cfg.training.seq_len,
+        use_scaled_rope=cfg.model.use_scaled_rope,
+    )
+
+
+def build_model(cfg, model_args, parallel_dims, compute_dtype, device) -> torch.nn.Module:
+    """Meta build -> parallelize -> allocate this rank's shards on the device (not yet
+    initialized): no rank ever holds the full unsharded model."""
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    parallelize_llama(
+        model,
+        parallel_dims,
+        param_dtype=compute_dtype,
+        reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
+        parallelism_cfg=cfg.parallelism,
+        ac_cfg=cfg.activation_checkpoint,
+        compile_cfg=cfg.compile,
+    )
+    return model.to_empty(device=device).train()
+
+
+def init_model(model, seed: int, device, draw_weights: bool) -> None:
+    """Every layout gets the same weights for `seed`, each rank drawing only its shards; without
+    `draw_weights` (a checkpoint will overwrite them) only the buffers are computed."""
+    if draw_weights:
+        init_weights_parallel(model, seed, device)
+    else:
+        model.init_buffers(device)
+
+
 class Trainer:
     """Checks the job, builds every piece from its config section, resumes, and runs the loop."""
 
@@ -165,45 +239,35 @@ class Trainer:
         self.cfg = cfg
         t, ckpt = cfg.training, cfg.checkpoint
         self.rank, _, self.world_size, self.device = dist_env
-        pd = self.parallel_dims = ParallelDims(
-            dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
-            dp_shard=cfg.parallelism.data_parallel_shard_degree,
-            tp=cfg.parallelism.tensor_parallel_degree,
-            world_size=self.world_size,
-        )
-        if ckpt.create_seed_checkpoint and self.world_size != 1:
-            raise ConfigError(
-                "checkpoint.create_seed_checkpoint runs in a single process: use plain "
-                "`python train.py`, not torchrun; every layout can then load it"
-            )
+        job = check_job(cfg, self.world_size)
+        pd = self.parallel_dims = job.parallel_dims
+        self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
-        load_plan = None if ckpt.create_seed_checkpoint else plan_load(ckpt, cfg.job.dump_folder)
-        tokenizer = build_tokenizer(cfg.model)
-        self.model_args = get_model_args(
-            cfg.model.flavor,
-            vocab_size=pad_vocab(tokenizer.n_words),
-            max_seq_len=t.seq_len,
-            use_scaled_rope=cfg.model.use_scaled_rope,
-        )
-        pd.validate_model(self.model_args, cfg.parallelism)
-        self.global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
+        load_plan = plan_load(ckpt, cfg.job.dump_folder)
         pd.build_mesh(self.device.type)
 
         ranks = dict(dp_rank=pd.dp_rank, dp_degree=pd.dp_degree)
         vocab = self.model_args.vocab_size
         self.loader = build_train_loader(
-            t, tokenizer, **ranks, global_batch_size=self.global_batch_size,
-            num_microbatches=num_microbatches, vocab_size=vocab, validation=cfg.validation,
+            t, job.tokenizer, **ranks, global_batch_size=self.global_batch_size,
+            num_microbatches=job.num_microbatches, vocab_size=vocab, validation=cfg.validation,
         )  # fmt: skip
         val_loader = None
         if cfg.validation.enable:
             val_loader = build_validation_loader(
-                t, cfg.validation, tokenizer, **ranks, vocab_size=vocab
+                t, cfg.validation, job.tokenizer, **ranks, vocab_size=vocab
             )
         self.compute_dtype = resolve_param_dtype(t.mixed_precision_param, self.device)
         # FSDP can skip the reduce-scatter of all but the last microbatch (more memory).
         self.sync_only_last = t.accumulation_sync == "last" and pd.fsdp_enabled
-        self.model = self.build_model()
+        self.model = build_model(cfg, self.model_args, pd, self.compute_dtype, self.device)
+        # No weights are drawn that the checkpoint would overwrite (hours at 405B).
+        init_model(self.model, cfg.training.seed, self.device, draw_weights=load_plan is None)
+        logger.info(
+            "model %s %s: %s parameters, vocab %d, world %d %s, compute %s",
+            cfg.model.name, cfg.model.flavor, f"{self.model.num_params(exclude_embedding=False):,}",
+            vocab, self.world_size, pd, self.compute_dtype,
+        )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.state = TrainState()
@@ -227,30 +291,6 @@ class Trainer:
         except BaseException:
             self.close()
             raise
-
-    def build_model(self) -> torch.nn.Module:
-        """Meta build -> parallelize -> materialize on the device -> init: no rank holds the
-        full unsharded model, and every layout starts from the same weights."""
-        cfg, args = self.cfg, self.model_args
-        with torch.device("meta"):
-            model = Transformer(args)
-        parallelize_llama(
-            model,
-            self.parallel_dims,
-            param_dtype=self.compute_dtype,
-            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
-            parallelism_cfg=cfg.parallelism,
-            ac_cfg=cfg.activation_checkpoint,
-            compile_cfg=cfg.compile,
-        )
-        model.to_empty(device=self.device)
-        init_weights_parallel(model, args, cfg.training.seed, self.device)
-        logger.info(
-            "model %s %s: %s parameters, vocab %d, world %d %s, compute %s",
-            cfg.model.name, cfg.model.flavor, f"{model.num_params(exclude_embedding=False):,}",
-            args.vocab_size, self.world_size, self.parallel_dims, self.compute_dtype,
-        )  # fmt: skip
-        return model.train()
 
     @property
     def is_log_rank(self) -> bool:
@@ -354,18 +394,12 @@ class Trainer:
             loss=dist_sum(out.loss_sum, self.parallel_dims.dp_mesh) / out.tokens,
             grad_norm=out.grad_norm,
             lr=self.scheduler.get_last_lr()[0],
-            memory_gib=self.memory.get_peak_stats().max_reserved_gib,
+            **self.memory.log_values(),
             data_time_pct=100 * window.data_seconds / window.seconds,
             elapsed_s=self.state.elapsed_s,
         )
         self.memory.reset_peak_stats()
         return values
-
-    def write_seed_checkpoint(self) -> int:
-        """Step 0, weights only: a fixed starting point any later layout can load."""
-        self.checkpointer.save(0)
-        logger.info("seed checkpoint written: step 0")
-        return 0
 
     def close(self):
         """Finish an in-flight async save, flush the logs, stop the prefetch threads."""
@@ -374,12 +408,88 @@ class Trainer:
         self.loader.close()
 
 
+def write_seed_checkpoint(cfg: JobConfig) -> int:
+    """Step 0, weights only, written one tensor at a time (memory: the largest tensor, at any
+    model size): the weights every layout draws for this seed, as a checkpoint to start from."""
+    args = model_args_for(cfg, build_tokenizer(cfg.model))
+    with torch.device("meta"):
+        model = Transformer(args)
+    seed = cfg.training.seed
+
+    def drawn(name, shape):
+        t = torch.empty(shape)
+        fill_(t, model.param_init(name), seed=seed, key=name, global_shape=shape)
+        return t
+
+    weights = {
+        name: LazyTensor(tuple(p.shape), torch.float32, partial(drawn, name, p.shape))
+        for name, p in model.named_parameters()
+    }
+    meta = {"step": 0, "model_only": True, "dp_degree": 1, "world_size": 1}
+    folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    shutil.rmtree(folder / "step-0.tmp", ignore_errors=True)  # a crashed earlier attempt
+    save_lazily({"model": weights, "meta": pickle.dumps(meta)}, folder / "step-0.tmp")
+    path = publish(folder, 0)
+    dump_toml(cfg, os.path.join(cfg.job.dump_folder, "config.toml"))  # conversion reads it
+    logger.info("seed checkpoint written: %s (%s parameters)", path, f"{model.num_params(False):,}")
+    return 0
+
+
+def dry_run(cfg: JobConfig) -> int:
+    """Play rank comm.fake_rank of comm.fake_world_size over a fake process group: every check of
+    the real job, the mesh, parallelize, and this rank's shards allocated and initialized for
+    real; report the per-rank figures and write {dump_folder}/dry_run.json. No data, no step."""
+    comm = cfg.comm
+    dist_env = init_fake_distributed(comm.fake_rank, comm.fake_world_size)
+    rank, _, world, device = dist_env
+    job = check_job(cfg, world)
+    job.parallel_dims.build_mesh(device.type)
+    compute_dtype = resolve_param_dtype(cfg.training.mixed_precision_param, device)
+    t0 = time.perf_counter()
+    model = build_model(cfg, job.model_args, job.parallel_dims, compute_dtype, device)
+    t1 = time.perf_counter()
+    init_model(model, cfg.training.seed, device, draw_weights=True)
+    t2 = time.perf_counter()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
+    setup = setup_from_config(cfg, world, job.model_args.vocab_size, device="cuda")
+    report = {
+        "world_size": world,
+        "rank": rank,
+        "layout": str(job.parallel_dims),
+        "params_total": model.num_params(exclude_embedding=False),
+        "params_local": sum(local_value(p).numel() for p in model.parameters()),
+        "build_seconds": round(t1 - t0, 3),
+        "init_seconds": round(t2 - t1, 3),
+        "estimated_peak_gib": round(estimate(setup).total / GIB, 3),  # on CUDA, the target
+        "checkpoint_bytes": 3 * weights,  # fp32 weights and AdamW's two moments
+        "global_batch_size": job.global_batch_size,
+        "microbatches": job.num_microbatches,
+        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+    }
+    out = Path(cfg.job.dump_folder) / "dry_run.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    logger.info("dry run OK, rank %d of %d:\n%s\nwritten to %s",
+                rank, world, json.dumps(report, indent=2), out)  # fmt: skip
+    destroy()
+    return 0
+
+
 def main(argv=None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        _check_single_process(cfg)
     except ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         return 2
+    if cfg.comm.mode == "fake_backend" or cfg.checkpoint.create_seed_checkpoint:
+        init_logger(0, 0)
+        job = dry_run if cfg.comm.mode == "fake_backend" else write_seed_checkpoint
+        try:
+            return job(cfg)
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            print(f"titanlite: error: {e}", file=sys.stderr)
+            return 2
     dist_env = init_distributed()
     rank = dist_env[0]
     init_logger(rank, int(os.environ.get("LOG_RANK", 0)))
@@ -400,11 +510,7 @@ def main(argv=None) -> int:
     if cfg.job.print_config:
         logger.info("config:\n%s", cfg.to_dict())
     try:
-        code = (
-            trainer.write_seed_checkpoint()
-            if cfg.checkpoint.create_seed_checkpoint
-            else trainer.train()
-        )
+        code = trainer.train()
     except NonFiniteError as e:  # raised on every rank alike: the global norm is shared
         logger.error("%s", e)
         code = 3
@@ -413,6 +519,18 @@ def main(argv=None) -> int:
     trainer.close()
     destroy()
     return code
+
+
+def _check_single_process(cfg: JobConfig) -> None:
+    """The dry run and the seed checkpoint are one process's work, whatever the target world."""
+    what = "--comm.mode fake_backend" if cfg.comm.mode == "fake_backend" else (
+        "--checkpoint.create_seed_checkpoint" if cfg.checkpoint.create_seed_checkpoint else None
+    )  # fmt: skip
+    if what and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ConfigError(
+            f"{what} runs in a single process: use plain `python train.py`, not torchrun "
+            "(the dry run plays the world given by --comm.fake_world_size)"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@
 Runs in one process without a process group (DCP resharding reads any saved layout). `--dtype`
 (default: checkpoint.export_dtype of the run, else float32) applies to the exported weights.
 
+Memory: one unit at a time, whatever the model size. dcp-to-hf loads the embedding, each block,
+then norm + output, and writes each as one shard (model-0000K-of-0000N.safetensors) plus
+model.safetensors.index.json; hf-to-dcp reads single-file or sharded exports one tensor at a time
+and writes DCP lazily; dcp-to-torch (--all too) reserves the torch.save file's space, then fills
+it tensor by tensor.
+
 RoPE: titanlite (like Meta) rotates interleaved pairs (2i, 2i+1) of each head; HF's rotate_half
 pairs i with i + head_dim/2. The q/k projection rows are permuted so both give the same logits.
 """
@@ -15,16 +21,24 @@ pairs i with i + head_dim/2. The q/k projection rows are permuted so both give t
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite import precision
+from titanlite.checkpoint_stream import (
+    LazyTensor,
+    save_lazily,
+    single_process_quietly,
+    torch_save_lazily,
+)
 from titanlite.models.llama import model as llama_model
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 
@@ -69,21 +83,58 @@ def from_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def load_dcp_model(step_dir: Path) -> dict[str, torch.Tensor]:
-    """The model weights (full tensors) of a DCP checkpoint, read without the optimizer."""
-    if not (step_dir / ".metadata").is_file():
-        raise ValueError(f"{step_dir} is not a DCP checkpoint (no .metadata)")
-    saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    model = {
-        k[len("model.") :]: torch.empty(md.size, dtype=md.properties.dtype)
-        for k, md in saved.items()
-        if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
-    }
-    if not model:
-        raise ValueError(f"{step_dir} holds no model weights (keys 'model.*')")
-    state = {"model": model}
-    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
-    return state["model"]
+class _MetadataOnceReader(dcp.FileSystemReader):
+    """Reads `.metadata` once: each partial `dcp.load` below would otherwise parse it again, and
+    a sharded training checkpoint's metadata lists every chunk of every tensor."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self._metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+class DcpCheckpoint:
+    """A DCP checkpoint read a few keys at a time (full tensors, any saved sharding)."""
+
+    def __init__(self, step_dir: Path):
+        if not (step_dir / ".metadata").is_file():
+            raise ValueError(f"{step_dir} is not a DCP checkpoint (no .metadata)")
+        self.reader = _MetadataOnceReader(step_dir)
+        self.metadata = self.reader.read_metadata()
+        self.tensors = {
+            k: md for k, md in self.metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        }  # fmt: skip
+
+    def load(self, keys) -> dict:
+        """{key: value} for flat DCP keys ("model.norm.weight"), bytes blobs unpickled."""
+        state = {k: self._empty(k) for k in keys}
+        if state:
+            with single_process_quietly():
+                dcp.load(state, storage_reader=self.reader, no_dist=True)
+        return state
+
+    def _empty(self, key: str):
+        md = self.tensors.get(key)
+        return None if md is None else torch.empty(md.size, dtype=md.properties.dtype)
+
+
+class DcpModel(DcpCheckpoint):
+    """The model weights (keys "model.*", named without the prefix) of a DCP checkpoint."""
+
+    def __init__(self, step_dir: Path):
+        super().__init__(step_dir)
+        self.shapes = {k[len("model.") :]: md.size for k, md in self.tensors.items()
+                       if k.startswith("model.")}  # fmt: skip
+        if not self.shapes:
+            raise ValueError(f"{step_dir} holds no model weights (keys 'model.*')")
+
+    def weights(self, names) -> dict[str, torch.Tensor]:
+        return {k[len("model.") :]: v for k, v in self.load(f"model.{n}" for n in names).items()}
 
 
 def run_config(step_dir: Path) -> tuple[Path, dict]:
@@ -92,7 +143,7 @@ def run_config(step_dir: Path) -> tuple[Path, dict]:
     return path, tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
-def model_args_for(sd: dict, flavor: str, step_dir: Path) -> ModelArgs:
+def model_args_for(shapes: dict, flavor: str, step_dir: Path) -> ModelArgs:
     """Shapes come from the weights; head counts, RoPE and eps from the flavor (given, or the
     one in the run's config.toml)."""
     cfg_path, cfg = run_config(step_dir)
@@ -104,8 +155,8 @@ def model_args_for(sd: dict, flavor: str, step_dir: Path) -> ModelArgs:
             f"{'has no model.flavor' if cfg else 'does not exist'}"
         )
     base = LLAMA3_FLAVORS[flavor]
-    vocab, dim = sd["tok_embeddings.weight"].shape
-    n_layers = len({k.split(".")[1] for k in sd if k.startswith("layers.")})
+    vocab, dim = shapes["tok_embeddings.weight"]
+    n_layers = len({k.split(".")[1] for k in shapes if k.startswith("layers.")})
     if (dim, n_layers) != (base.dim, base.n_layers):
         raise ValueError(
             f"{step_dir}: weights have dim {dim}, {n_layers} layers; flavor {flavor} has "
@@ -155,58 +206,128 @@ def hf_config(args: ModelArgs, dtype: str) -> dict:
 
 
 def to_hf(sd: dict, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out = {hf: sd[ours] for ours, hf in GLOBAL_KEYS.items()}
-    for i in range(args.n_layers):
-        for ours, hf in LAYER_KEYS.items():
-            w = sd[f"layers.{i}.{ours}"]
-            if ours == "attention.wq.weight":
-                w = to_hf_rope(w, args.n_heads)
-            elif ours == "attention.wk.weight":
-                w = to_hf_rope(w, args.num_kv_heads)
-            out[f"model.layers.{i}.{hf}"] = w
-    return {k: v.to(dtype).contiguous() for k, v in out.items()}
+    """HF names and layout for whichever titanlite weights `sd` holds (a unit or the model)."""
+    out = {}
+    for ours, w in sd.items():
+        hf, rope_heads = hf_name(ours, args.n_heads, args.num_kv_heads)
+        out[hf] = (w if rope_heads is None else to_hf_rope(w, rope_heads)).to(dtype).contiguous()
+    return out
 
 
-def from_hf(hf: dict, cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def hf_name(ours: str, n_heads: int, n_kv_heads: int) -> tuple[str, int | None]:
+    """The HF name of a titanlite weight, and its RoPE head count if its rows are permuted."""
+    if ours in GLOBAL_KEYS:
+        return GLOBAL_KEYS[ours], None
+    _, i, rest = ours.split(".", 2)
+    heads = {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads}.get(rest)
+    return f"model.layers.{i}.{LAYER_KEYS[rest]}", heads
+
+
+def titanlite_names(n_layers: int) -> list[str]:
+    return [
+        *GLOBAL_KEYS,
+        *(f"layers.{i}.{k}" for i in range(n_layers) for k in LAYER_KEYS),
+    ]
+
+
+def from_hf_lazily(get, cfg: dict, dtype: torch.dtype) -> dict[str, tuple[str, Callable]]:
+    """{titanlite name: (HF name, make)} where make() converts `get(HF name)`."""
     n_heads = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_heads
-    sd = {ours: hf[name] for ours, name in GLOBAL_KEYS.items()}
-    for i in range(cfg["num_hidden_layers"]):
-        for ours, name in LAYER_KEYS.items():
-            w = hf[f"model.layers.{i}.{name}"]
-            if ours == "attention.wq.weight":
-                w = from_hf_rope(w, n_heads)
-            elif ours == "attention.wk.weight":
-                w = from_hf_rope(w, n_kv)
-            sd[f"layers.{i}.{ours}"] = w
-    return {k: v.to(dtype).contiguous() for k, v in sd.items()}
+
+    def converter(name: str, heads: int | None):
+        def make() -> torch.Tensor:
+            w = get(name)
+            return (w if heads is None else from_hf_rope(w, heads)).to(dtype).contiguous()
+
+        return make
+
+    out = {}
+    for ours in titanlite_names(cfg["num_hidden_layers"]):
+        name, heads = hf_name(ours, n_heads, n_kv)
+        out[ours] = name, converter(name, heads)
+    return out
+
+
+def units(n_layers: int) -> list[list[str]]:
+    """Export units, each one shard: the embedding, each block, then norm + output."""
+    return [
+        ["tok_embeddings.weight"],
+        *([f"layers.{i}.{k}" for k in LAYER_KEYS] for i in range(n_layers)),
+        ["norm.weight", "output.weight"],
+    ]
 
 
 def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
-    sd = load_dcp_model(step_dir)
-    args = model_args_for(sd, flavor, step_dir)
+    ckpt = DcpModel(step_dir)
+    args = model_args_for(ckpt.shapes, flavor, step_dir)
+    parts = units(args.n_layers)
+    shards = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    stale = {f.name for f in out.glob("*.safetensors")} - set(shards)
+    if stale:
+        raise ValueError(f"{out} holds other safetensors files ({sorted(stale)[0]}, ...): "
+                         "loaders would mix them in; export into an empty directory")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf(sd, args, DTYPES[dtype]), str(out / "model.safetensors"), {"format": "pt"})
+    weight_map, total = {}, 0
+    for names, shard in zip(parts, shards, strict=True):
+        hf = to_hf(ckpt.weights(names), args, DTYPES[dtype])
+        save_file(hf, str(out / shard), {"format": "pt"})
+        weight_map.update(dict.fromkeys(hf, shard))
+        total += sum(t.nbytes for t in hf.values())
+        del hf
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+
+
+def hf_files(hf_dir: Path) -> dict[str, Path]:
+    """{HF tensor name: file}, from the index when there is one, else from every file."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_dir / f for name, f in weight_map.items()}
+    files = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in files:
+                    raise ValueError(f"{hf_dir}: {name} is in both {files[name].name} and "
+                                     f"{f.name} (and there is no index to choose)")  # fmt: skip
+                files[name] = f
+    return files
+
+
+def read_hf_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    # Opened per tensor: the file is memory-mapped, and closing unmaps the pages just read.
+    with safe_open(str(files[name]), framework="pt") as st:
+        return st.get_tensor(name)
+
+
+def hf_shape(files: dict[str, Path], name: str) -> tuple[int, ...]:
+    with safe_open(str(files[name]), framework="pt") as st:
+        return tuple(st.get_slice(name).get_shape())
 
 
 def hf_to_dcp(hf_dir: Path, out: Path, dtype: str) -> None:
     cfg_file = hf_dir / "config.json"
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not cfg_file.is_file() or not files:
+    if not cfg_file.is_file() or not any(hf_dir.glob("*.safetensors")):
         raise ValueError(f"{hf_dir} needs config.json and *.safetensors (a HF Llama checkpoint)")
     cfg = json.loads(cfg_file.read_text())
     if cfg.get("tie_word_embeddings"):
         raise ValueError(
             f"{hf_dir}: tied embeddings are not supported (titanlite's output is untied)"
         )
-    hf = {}
-    for f in files:  # one file or shards; the union is the full state
-        hf.update(load_file(str(f)))
-    if "lm_head.weight" not in hf:
-        raise ValueError(f"{hf_dir}: no lm_head.weight")
-    sd = from_hf(hf, cfg, DTYPES[dtype])
-    dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
+    files = hf_files(hf_dir)
+    convert = from_hf_lazily(lambda name: read_hf_tensor(files, name), cfg, DTYPES[dtype])
+    missing = [name for name, _ in convert.values() if name not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{hf_dir}: no {missing[0]}{more}")
+    model = {
+        ours: LazyTensor(hf_shape(files, name), DTYPES[dtype], make)
+        for ours, (name, make) in convert.items()
+    }
+    save_lazily({"model": model}, out)
     # Loading it into titanlite needs a model with matching shapes: --model.flavor with this dim
     # and layer count, and a tokenizer whose padded size equals the vocab below.
     print(f"wrote {out}: vocab {cfg['vocab_size']}, dim {cfg['hidden_size']}, "
@@ -215,10 +336,37 @@ def hf_to_dcp(hf_dir: Path, out: Path, dtype: str) -> None:
 
 def dcp_to_torch(step_dir: Path, out: Path, dtype: str, everything: bool) -> None:
     if everything:  # optimizer, scheduler, loader, train state too, exactly as saved
-        dcp_to_torch_save(str(step_dir), str(out))
+        torch_save_lazily(whole_state_lazily(DcpCheckpoint(step_dir)), out)
         return
-    sd = {k: v.to(DTYPES[dtype]) for k, v in load_dcp_model(step_dir).items()}
-    torch.save(sd, out)  # Meta key names, like consolidated.00.pth
+    ckpt = DcpModel(step_dir)
+    to = DTYPES[dtype]
+
+    def make(name: str):
+        return lambda: ckpt.weights([name])[name].to(to)
+
+    # Meta key names, like consolidated.00.pth
+    model = {k: LazyTensor(tuple(size), to, make(k)) for k, size in ckpt.shapes.items()}
+    torch_save_lazily(model, out)
+
+
+def whole_state_lazily(ckpt: DcpCheckpoint) -> dict:
+    """The nested state as saved: tensors lazily, the (small) pickled blobs read now."""
+    blobs = ckpt.load(k for k in ckpt.metadata.state_dict_metadata if k not in ckpt.tensors)
+
+    def make(key: str):
+        return lambda: ckpt.load([key])[key]
+
+    flat = {
+        **blobs,
+        **{k: LazyTensor(tuple(md.size), md.properties.dtype, make(k))
+           for k, md in ckpt.tensors.items()},
+    }  # fmt: skip
+    # DCP saved each flat key's path in the nested state (as its own dcp_to_torch_save uses).
+    paths = ckpt.metadata.planner_data or {}
+    state: dict = {}
+    for key in ckpt.metadata.state_dict_metadata:
+        set_element(state, paths.get(key, (key,)), flat[key])
+    return state
 
 
 def run_default_dtype(step_dir: Path) -> str:

@@ -3,20 +3,32 @@ unless a test says otherwise (multi-process tests launch real gloo workers)."""
 
 import logging
 import os
+import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import assert_nested_equal, torchrun_script
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager
 
-from titanlite.checkpoint import MARKER, CheckpointManager, plan_load, scan_checkpoints
+from titanlite.checkpoint import (
+    MARKER,
+    CheckpointManager,
+    _capture_rng,
+    _restore_rng,
+    plan_load,
+    scan_checkpoints,
+)
 from titanlite.config import Checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +74,8 @@ def make_setup(tmp_path, shapes=(8, 16), **cfg_overrides):
 
 
 def train_steps(mgr, n, save=True):
-    """n optimizer steps with random data; advances loader and train state like the trainer."""
+    """n optimizer steps with random data; advances loader and train state like the trainer.
+    Saves are complete on disk when it returns (the trainer's close() waits the same way)."""
     for _ in range(n):
         x = torch.randn(4, mgr.model[0].in_features)
         mgr.model(x).square().sum().backward()
@@ -74,6 +87,7 @@ def train_steps(mgr, n, save=True):
         mgr.train_state.tokens_seen += 32
         if save and mgr.due(mgr.train_state.step):
             mgr.save(mgr.train_state.step)
+    mgr.wait()
 
 
 def snapshot(mgr):
@@ -211,6 +225,7 @@ def test_initial_load_path_loads_weights_only(tmp_path):
 def test_seed_checkpoint_is_model_only_and_leaves_optimizer_alone(tmp_path):
     mgr = make_setup(tmp_path)
     mgr.save(0)  # what train.py does for create_seed_checkpoint: no optimizer step yet
+    mgr.wait()
     assert not mgr.optimizer.state  # get_state_dict would have run a zero-grad step()
     assert (tmp_path / "checkpoint" / "step-0" / MARKER).is_file()
     fresh = make_setup(tmp_path)
@@ -219,22 +234,142 @@ def test_seed_checkpoint_is_model_only_and_leaves_optimizer_alone(tmp_path):
         assert torch.equal(x, y)
 
 
-def test_async_save_captures_state_at_call_time(tmp_path):
+def tensor_ptrs(state, path=""):
+    """{path: data_ptr} of every tensor in a nested state dict (DTensors: their local shard)."""
+    if isinstance(state, dict):
+        return {
+            k: v for key, sub in state.items() for k, v in tensor_ptrs(sub, f"{path}.{key}").items()
+        }
+    if torch.is_tensor(state):
+        return {path: getattr(state, "_local_tensor", state).data_ptr()}
+    return {}
+
+
+def spy_staging(monkeypatch) -> list:
+    """Every state dict that async saves staged, kept alive: fresh buffers for a later save
+    could then not land at the addresses of an earlier one."""
+    staged, stage = [], DefaultStager.stage
+
+    def spy(self, state_dict, **kwargs):
+        staged.append(stage(self, state_dict, **kwargs))
+        return staged[-1]
+
+    monkeypatch.setattr(DefaultStager, "stage", spy)
+    return staged
+
+
+def test_async_staging_reuses_its_buffers_and_keeps_call_time_values(tmp_path, monkeypatch):
+    staged = spy_staging(monkeypatch)
     mgr = make_setup(tmp_path, async_mode="async")
-    train_steps(mgr, 2, save=False)
+    train_steps(mgr, 1)  # saves step 1: allocates the staging buffers
+    train_steps(mgr, 1, save=False)
     before = snapshot(mgr)
     mgr.save(2)
-    with torch.no_grad():  # training goes on while the save is in flight
+    with torch.no_grad():  # the next step updates weights and moments in place, mid-write
         for p in mgr.model.parameters():
             p.add_(1.0)
+            mgr.optimizer.state[p]["exp_avg"].add_(1.0)
     mgr.wait()
-    assert (tmp_path / "checkpoint" / "step-2" / MARKER).is_file()
+
+    first, second = (tensor_ptrs(s) for s in staged)
+    assert len(first) == 16 and first == second  # 4 weights, 3 AdamW tensors each
+    live = {p.data_ptr() for p in mgr.model.parameters()}
+    assert not live & set(second.values())  # a copy, not the live tensors
     fresh = make_setup(tmp_path)
     assert resume(fresh) == 2
     after = snapshot(fresh)
     after["rng"] = before["rng"]  # the rng moved on in this process since; checked elsewhere
     assert_same(before, after)
     mgr.close()
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_publish_and_prune_run_off_the_training_thread(tmp_path, monkeypatch, mode):
+    calls = []  # (what, folder name, on the training thread?)
+
+    def spy(what, real):
+        def record(path, *args, **kwargs):
+            calls.append(
+                (what, Path(path).name, threading.current_thread() is threading.main_thread())
+            )
+            return real(path, *args, **kwargs)
+
+        return record
+
+    monkeypatch.setattr(shutil, "rmtree", spy("rmtree", shutil.rmtree))
+    monkeypatch.setattr(Path, "rename", spy("rename", Path.rename))
+    mgr = make_setup(tmp_path, async_mode=mode, keep_latest_k=1)
+    train_steps(mgr, 2)
+    mgr.save(2)  # again: the complete step-2 is moved aside to step-2.old, then deleted
+    mgr.wait()
+    assert sorted(scan_checkpoints(tmp_path / "checkpoint")[0]) == [2]
+    assert ("rmtree", "step-1", False) in calls and ("rmtree", "step-2.old", False) in calls
+    on_loop = [c for c in calls if c[2] and not c[1].endswith(".tmp")]
+    assert on_loop == [] and any(c[0] == "rename" for c in calls), calls
+    mgr.close()
+
+
+def test_prune_keeps_the_checkpoint_just_published(tmp_path):
+    mgr = make_setup(tmp_path)
+    train_steps(mgr, 4)
+    mgr.close()
+    # A rerun from step 1 saves step 2 again: the newest two by step are 3 and 4, but the new
+    # step 2 is this run's only checkpoint after its start.
+    rerun = make_setup(tmp_path, load_step=1, keep_latest_k=2)
+    assert resume(rerun) == 1
+    train_steps(rerun, 1)
+    assert sorted(scan_checkpoints(tmp_path / "checkpoint")[0]) == [2, 3, 4]
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """torch.cuda as one rank sees it: `see(n, current)` makes n GPUs visible, each with its own
+    RNG state (filled with its index), and makes `current` this rank's device. Only for the RNG
+    functions: DCP's writer would try to use the fake GPU."""
+    gpus = SimpleNamespace(current=0, states={})
+
+    def see(n, current):
+        gpus.states = {i: torch.full((8,), i, dtype=torch.uint8) for i in range(n)}
+        gpus.current = current
+
+    def set_rng_state(state, device):
+        gpus.states[device] = state.clone()
+
+    gpus.see = see
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: gpus.current)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: gpus.states[device].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    return gpus
+
+
+def test_rng_is_this_ranks_gpu_and_resumes_on_fewer_gpus(fake_gpus):
+    fake_gpus.see(8, current=5)
+    saved = pickle.dumps(_capture_rng())  # as the manager stores it
+    assert torch.equal(pickle.loads(saved)["cuda"], fake_gpus.states[5])  # one state, not 8
+    fake_gpus.see(1, current=0)  # the rerun gives each rank one visible GPU
+    _restore_rng(pickle.loads(saved))
+    assert torch.equal(fake_gpus.states[0], torch.full((8,), 5, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "saved_gpus, current, restored",
+    [(8, 3, 3), (8, 0, 0), (1, 2, 0), (2, 5, None)],
+    ids=["same-gpus", "fewer-gpus", "saved-seeing-one", "no-entry"],
+)
+def test_rng_from_checkpoints_with_every_gpus_state(
+    fake_gpus, caplog, saved_gpus, current, restored
+):
+    """Older checkpoints hold every visible GPU's state per rank: the entry of this rank's
+    device is restored, or the only one; with neither, the GPU keeps its state, with a warning."""
+    fake_gpus.see(current + 1, current)
+    state = _capture_rng()
+    state["cuda"] = [torch.full((8,), 100 + i, dtype=torch.uint8) for i in range(saved_gpus)]
+    with caplog.at_level(logging.WARNING, logger="titanlite.checkpoint"):
+        _restore_rng(state)
+    expected = current if restored is None else 100 + restored
+    assert torch.equal(fake_gpus.states[current], torch.full((8,), expected, dtype=torch.uint8))
+    assert ("none for cuda:5" in caplog.text) == (restored is None)
 
 
 # Worker scripts run in fresh interpreters (torchrun or a killable child), so they carry their own
@@ -314,6 +449,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, caplog):
 _FSDP = """
 import os
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 folder, mode = sys.argv[1], sys.argv[2]
@@ -325,12 +461,24 @@ for m in (mgr.model[0], mgr.model[2], mgr.model):
     fully_shard(m, mesh=mesh)
 mgr.optimizer = torch.optim.AdamW(mgr.model.parameters(), lr=1e-2)  # over the sharded params
 mgr.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(mgr.optimizer, lambda s: 1.0)
+full_state = lambda: get_state_dict(
+    mgr.model, mgr.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if mode == "save":
-    step(mgr, 2); mgr.save(2); mgr.close()
+    staged, stage = [], DefaultStager.stage  # kept alive: fresh buffers would get new addresses
+    DefaultStager.stage = lambda self, sd, **kw: staged.append(stage(self, sd, **kw)) or staged[-1]
+    step(mgr, 1); mgr.save(1)
+    step(mgr, 1)  # while step 1 is written
+    full = full_state()
+    mgr.save(2)
+    with torch.no_grad():  # after save() returned, while step 2 is written
+        for p in mgr.model.parameters():
+            p.add_(1.0)
+    mgr.close()
+    ptrs = [{k: t._local_tensor.data_ptr() for k, t in s["model"].items()} for s in staged]
+    assert len(ptrs) == 2 and ptrs[0] == ptrs[1] and len(ptrs[0]) == 4, ptrs
 else:
     assert resume(mgr) == 2
-full = get_state_dict(mgr.model, mgr.optimizer,
-                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = full_state()
 if dist.get_rank() == 0:
     torch.save(full, os.path.join(folder, f"full_{mode}_{world}.pt"))
 dist.barrier()  # no rank tears down while rank 0 still gathers: gloo would abort it
@@ -339,10 +487,12 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_fsdp_async_save_reshards_to_fewer_ranks_and_one_process(tmp_path):
+def test_fsdp_async_saves_reuse_staging_and_reshard(tmp_path):
     script = tmp_path / "fsdp.py"
     script.write_text(_WORKER_COMMON + _FSDP)
-    # FSDP over 4 ranks, async save on its own gloo PG; then load on 2 ranks and in 1 process.
+    # FSDP over 4 ranks, two async saves on their own gloo PG (the second into the first's
+    # staging buffers, its weights changed right after save()); then load the second on 2 ranks
+    # and in 1 process.
     torchrun_script(script, tmp_path, "save", nproc=4)
     torchrun_script(script, tmp_path, "load", nproc=2)
     saved = torch.load(tmp_path / "full_save_4.pt", weights_only=False)

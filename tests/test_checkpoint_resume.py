@@ -228,6 +228,7 @@ def test_corrupt_metadata_names_the_path(tmp_path, damage):
     mgr.model(torch.ones(1, 4)).sum().backward()
     mgr.optimizer.step()
     mgr.save(1)
+    mgr.wait()
     meta = tmp_path / "checkpoint" / "step-1" / ".metadata"
     data = meta.read_bytes()
     meta.write_bytes(

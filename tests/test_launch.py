@@ -1,5 +1,5 @@
 """Launching: two torchrun "nodes" on one machine, elastic restart after a killed rank,
-shellcheck on every shell script."""
+shellcheck on every shell script, the launchers' allocator setting."""
 
 import os
 import shutil
@@ -153,3 +153,55 @@ def test_shellcheck_passes_on_every_shell_script():
         ["shellcheck", "--shell=bash", *map(str, scripts)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _fake_bin(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+
+
+# What the launcher hands torchrun, as the fake torchrun / srun below print it.
+_ALLOC_ENV = 'echo "alloc=${PYTORCH_CUDA_ALLOC_CONF-unset} generic=${PYTORCH_ALLOC_CONF-unset}"'
+
+
+def _launch_env(tmp_path: Path, script: str, user: dict) -> str:
+    """Runs `script` with fake torchrun (and SLURM commands) that print the allocator settings."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake_bin(bin_dir, "torchrun", _ALLOC_ENV)
+    _fake_bin(bin_dir, "scontrol", "echo node1")
+    # srun runs twice: `hostname --ip-address` on the head node, then the training step.
+    srun = f'case "$*" in *--ip-address*) echo 127.0.0.1;; *) {_ALLOC_ENV};; esac'
+    _fake_bin(bin_dir, "srun", srun)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("ALLOC_CONF")}
+    env.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        NGPU="1",
+        NPROC_PER_NODE="1",
+        SLURM_JOB_NODELIST="node1",
+        SLURM_JOB_ID="1",
+        SLURM_NNODES="1",
+        **user,
+    )
+    proc = subprocess.run(
+        ["bash", str(REPO / script)], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return next(line for line in proc.stdout.splitlines() if line.startswith("alloc="))
+
+
+@pytest.mark.parametrize("script", ["run_llama_train.sh", "scripts/multinode_trainer.slurm"])
+@pytest.mark.parametrize(
+    "user, expected",
+    [
+        ({}, "alloc=expandable_segments:True generic=unset"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, "alloc=max_split_size_mb:512"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": ""}, "alloc= generic=unset"),  # empty: torch's default
+        ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, "alloc=unset"),
+    ],
+)
+def test_launchers_default_to_expandable_segments_and_keep_the_users(
+    tmp_path, script, user, expected
+):
+    assert _launch_env(tmp_path, script, user).startswith(expected)

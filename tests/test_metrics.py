@@ -29,16 +29,25 @@ def _fake_cuda(monkeypatch, name):
 @pytest.mark.parametrize(
     "name, tflops",
     [
-        ("NVIDIA H100 80GB HBM3", 989),
-        ("NVIDIA H100 PCIe", 756),
-        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H100 80GB HBM3", 989.5),
+        ("NVIDIA H100 PCIe", 756.5),
+        ("NVIDIA H100 NVL", 835.5),
+        ("NVIDIA H200", 989.5),
+        ("NVIDIA H200 NVL", 835.5),
+        ("NVIDIA GH200 480GB", 989.5),
+        ("NVIDIA B200", 2250),
+        ("NVIDIA GB200", 2500),
         ("NVIDIA A100-SXM4-80GB", 312),
-        ("AMD Instinct MI300X", 1300),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("AMD Instinct MI300X", 1307.4),
+        ("NVIDIA H20", None),  # a different chip, not a shorter H200
+        ("NVIDIA GB300", None),
     ],
 )
 def test_peak_table(monkeypatch, name, tflops):
     _fake_cuda(monkeypatch, name)
-    assert metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16) == tflops * 1e12
+    peak = metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16)
+    assert peak == (tflops * 1e12 if tflops else None)
 
 
 def test_unknown_gpu_returns_none_and_warns_once(monkeypatch, caplog):
@@ -78,6 +87,52 @@ def test_memory_monitor_cpu():
     del block
     monitor.reset_peak_stats()
     assert monitor.get_peak_stats().max_reserved_gib > 0
+
+
+def _fake_cuda_memory(monkeypatch, counts: dict) -> metrics.DeviceMemoryMonitor:
+    """A monitor of a fake 80 GiB GPU whose allocator counters are whatever `counts` holds."""
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30)
+    )
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: None)
+    monkeypatch.setattr(
+        torch.cuda, "memory_stats", lambda d: {"reserved_bytes.all.peak": 60 * 2**30, **counts}
+    )
+    return metrics.DeviceMemoryMonitor(torch.device("cuda", 0))
+
+
+def test_allocator_retries_and_ooms_warn_when_they_grow(monkeypatch, caplog):
+    counts = {"num_alloc_retries": 0, "num_ooms": 0}
+    monitor = _fake_cuda_memory(monkeypatch, counts)
+
+    def log(**new_counts) -> tuple[dict, list[str]]:
+        counts.update(new_counts)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="titanlite.metrics"):
+            values = monitor.log_values()
+        return values, [r.getMessage() for r in caplog.records]
+
+    values, warnings = log()
+    assert values == {"memory_gib": 60.0, "alloc_retries": 0, "ooms": 0} and not warnings
+    values, warnings = log(num_alloc_retries=3)
+    assert values["alloc_retries"] == 3 and len(warnings) == 1
+    assert "3 more allocation retries (3 in all), 0 more out-of-memory" in warnings[0]
+    for fix in ("local_batch_size", "activation_checkpoint", "expandable_segments:True"):
+        assert fix in warnings[0]
+    assert not log()[1]  # counts are cumulative: unchanged means nothing new
+    values, warnings = log(num_ooms=1)
+    assert values["ooms"] == 1 and "0 more allocation retries (3 in all), 1 more" in warnings[0]
+    values, warnings = log(num_alloc_retries=5)
+    assert "2 more allocation retries (5 in all)" in warnings[0]
+    assert not log()[1]
+
+
+def test_cpu_monitor_logs_zero_counts_and_no_warning(caplog):
+    monitor = metrics.DeviceMemoryMonitor(torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="titanlite.metrics"):
+        values = monitor.log_values()
+    assert values["memory_gib"] > 0 and values["alloc_retries"] == values["ooms"] == 0
+    assert not caplog.records
 
 
 def _cfg(**kw):

@@ -2,22 +2,22 @@
 
 On disk, `{dump_folder}/{folder}/step-N/` holds the DCP files (`.metadata`, `__R_0.distcp`) and
 a `COMPLETE` marker. A save writes into `step-N.tmp/`; once every rank has finished (DCP's final
-gather has run), rank 0 writes the marker and renames the folder. A crash mid-save therefore
-leaves only a `step-N.tmp/` (reported and ignored on load) and never touches an older checkpoint.
+gather has run), a background thread of rank 0 writes the marker, renames the folder and only
+then prunes. A crash mid-save therefore leaves only a `step-N.tmp/` (reported and ignored on load)
+and never touches an older checkpoint.
 
 DCP keys: "model" and "optimizer" (from `get_state_dict`, so any FSDP/TP layout can load any other),
 "lr_scheduler", "dataloader", "train_state", "meta" (pickled blobs, so their structure may change
-between runs without confusing DCP's per-key planner) and "rng.rank{R}" (each rank's RNG states).
+between runs without confusing DCP's per-key planner) and "rng.rank{R}" (each rank's CPU RNG
+states and its own GPU's).
 """
 
-import contextlib
 import json
 import logging
 import pickle
 import random
 import re
 import shutil
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from titanlite.checkpoint_stream import single_process_quietly
 from titanlite.config import EXCLUDABLE
+
+try:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+except ImportError:  # torch < 2.9: every async save stages into fresh memory
+    DefaultStager = None
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +72,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if _dist_on():
         dist.barrier()
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns on every call without a process group; one process is a supported case here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a")
-        yield
 
 
 def _dcp_reason(err: BaseException) -> str:
@@ -185,10 +183,12 @@ def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
 
 
 def _capture_rng() -> dict:
+    """This rank's generators only: its CPU one and the one of the GPU it trains on. All visible
+    GPUs' states would be restored by index and fail when a rerun sees fewer GPUs."""
     state = {"python": random.getstate(), "numpy": np.random.get_state()}
     state["torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -196,8 +196,43 @@ def _restore_rng(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" not in state or not torch.cuda.is_available():
+        return
+    device, cuda = torch.cuda.current_device(), state["cuda"]
+    if isinstance(cuda, (list, tuple)):  # older checkpoints: every GPU the rank could see
+        if len(cuda) != 1 and device >= len(cuda):
+            logger.warning(
+                "checkpoint holds RNG states for %d GPUs, none for cuda:%d: its CUDA RNG "
+                "starts from this process's state", len(cuda), device,
+            )  # fmt: skip
+            return
+        cuda = cuda[0] if len(cuda) == 1 else cuda[device]
+    torch.cuda.set_rng_state(cuda, device)
+
+
+def _reusable_stager():
+    """Staging buffers kept across async saves: the first save allocates this rank's host copy
+    of the state (pinned when it comes from a GPU, for fast device-to-host copies), later saves
+    copy into it. Staging blocks the caller: the training step after `save()` updates the
+    weights in place. Positional options: the last one was renamed between torch releases."""
+    if DefaultStager is None:
+        return None
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(cuda, False, False, cuda))
+
+
+def publish(folder: Path, step: int) -> Path:
+    """Mark the fully written `step-N.tmp` complete and make it `step-N`. A complete `step-N`
+    already there is moved aside first and deleted only after the new one took its place."""
+    tmp, final = folder / f"step-{step}.tmp", folder / f"step-{step}"
+    (tmp / MARKER).write_text(json.dumps({"step": step}) + "\n")
+    old = folder / f"step-{step}.old"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 class CheckpointManager:
@@ -217,13 +252,16 @@ class CheckpointManager:
         self.dataloader, self.train_state = dataloader, train_state
         self.dp_degree = dp_degree
         self._last_saved = -1
-        # An async save gets its own process group: on the default one its collectives would
-        # interleave with the training step's and deadlock or time out. Once its data is on
-        # disk, a background thread publishes it (marker, rename, prune) without the loop.
-        self._pg = self._publisher = None
+        # Publishing (marker, rename) and pruning (rmtree of terabytes at 405B) run in this
+        # thread in both modes: on the training thread rank 0 would hold every other rank at
+        # the next collective until they finish.
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="titanlite-ckpt")
         self._published: Future | None = None
+        # An async save gets its own process group: on the default one its collectives would
+        # interleave with the training step's and deadlock or time out.
+        self._pg = self._stager = None
         if ckpt_cfg.async_mode == "async":
-            self._publisher = ThreadPoolExecutor(1, thread_name_prefix="titanlite-ckpt")
+            self._stager = _reusable_stager()
             if _dist_on():
                 self._pg = dist.new_group(backend="gloo")
 
@@ -235,9 +273,10 @@ class CheckpointManager:
         return step % self.cfg.interval == 0 or final
 
     def save(self, step: int) -> None:
-        """Save `step`. Model only before the first optimizer step (a seed checkpoint):
-        `get_state_dict` would otherwise initialize AdamW state with a zero-grad step()."""
-        self.wait()
+        """Save `step`; it is complete on disk once `wait()` or `close()` returned. Model only
+        before the first optimizer step (a seed checkpoint): `get_state_dict` would otherwise
+        initialize AdamW state with a zero-grad step()."""
+        self.wait()  # also: the staging buffers are free again, the previous write has read them
         model_only = self.optimizer is None or not self.optimizer.state
         tmp = self.folder / f"step-{step}.tmp"
         if _rank() == 0:
@@ -245,13 +284,16 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this step
         _barrier()  # nobody writes into tmp before rank 0 has cleared it
         state = self._state_to_save(step, model_only)
-        if self._publisher is not None:
-            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+        if self.cfg.async_mode == "async":
+            stager = {} if self._stager is None else {"async_stager": self._stager}
+            written = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=self._pg, **stager
+            )
             self._published = self._publisher.submit(self._publish_when_written, written, step)
         else:
-            with _quiet_single_process():
+            with single_process_quietly():
                 dcp.save(state, checkpoint_id=str(tmp))
-            self._finalize(step)
+            self._published = self._publisher.submit(self._finalize, step)
         self._last_saved = step
 
     def _publish_when_written(self, written: Future, step: int) -> None:
@@ -265,15 +307,17 @@ class CheckpointManager:
         self._finalize(step)
 
     def wait(self) -> None:
-        """Block until the async save in flight (if any) is written and published."""
+        """Block until the save in flight (if any) is written, published and old ones pruned."""
         if self._published is not None:
             published, self._published = self._published, None
             published.result()
 
     def close(self) -> None:
         self.wait()
-        if self._publisher is not None:
-            self._publisher.shutdown()
+        self._publisher.shutdown()
+        if self._stager is not None:
+            self._stager.close()  # frees the staging buffers (unpins them on CUDA)
+            self._stager = None
         if self._pg is not None:
             # Every rank's save is finished before any rank drops the group: gloo aborts a
             # process whose peer closes a connection it is still using.
@@ -314,30 +358,26 @@ class CheckpointManager:
             )
 
     def _finalize(self, step: int) -> None:
-        """Rank 0 only: every rank's data is on disk once DCP's save returned (its final gather
-        ran), so publish the checkpoint, then prune. A complete checkpoint of the same step is
-        moved aside first and deleted only after the new one took its place."""
+        """Rank 0 only, in the publisher thread: every rank's data is on disk once DCP's save
+        returned (its final gather ran), so publish the checkpoint, then prune. A complete
+        checkpoint of the same step is moved aside first and deleted only after the new one
+        took its place."""
         if _rank() != 0:
             return
-        tmp, final = self.folder / f"step-{step}.tmp", self.folder / f"step-{step}"
-        (tmp / MARKER).write_text(json.dumps({"step": step}) + "\n")
-        old = self.folder / f"step-{step}.old"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        logger.info("Saved checkpoint %s", final)
-        self._prune()
+        logger.info("Saved checkpoint %s", publish(self.folder, step))
+        self._prune(keep=step)
 
-    def _prune(self) -> None:
+    def _prune(self, keep: int) -> None:
+        """Delete all but the newest `keep_latest_k` complete checkpoints, never step `keep`
+        (the one just published: after a resume from an older step it may not be the newest)."""
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
         complete = scan_checkpoints(self.folder)[0]
         for step in sorted(complete)[:-k]:
-            shutil.rmtree(complete[step], ignore_errors=True)
-            logger.info("Deleted old checkpoint %s (keep_latest_k=%d)", complete[step], k)
+            if step != keep:
+                shutil.rmtree(complete[step], ignore_errors=True)
+                logger.info("Deleted old checkpoint %s (keep_latest_k=%d)", complete[step], k)
 
     # ---------------------------------------------------------------- load
     def load(self, plan: "LoadPlan | None") -> int:
@@ -398,7 +438,7 @@ class CheckpointManager:
     @staticmethod
     def _read(path: Path, state: dict) -> dict:
         try:
-            with _quiet_single_process():
+            with single_process_quietly():
                 dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"failed to load checkpoint {path}: {_dcp_reason(e)}") from e

@@ -212,6 +212,20 @@ class Validation:
 
 
 @dataclass
+class Comm:
+    """Process groups; the fake backend checks a job's layout at its real scale in one process."""
+
+    mode: str = opt(
+        "default",
+        "'fake_backend' = dry run: play one rank of fake_world_size, build and init its shard, "
+        "report per-rank figures and exit without training",
+        choices=("default", "fake_backend"),
+    )
+    fake_world_size: int = opt(0, "World size the dry run plays (comm.mode fake_backend)", ge=0)
+    fake_rank: int = opt(0, "Rank the dry run plays (comm.mode fake_backend)", ge=0)
+
+
+@dataclass
 class JobConfig:
     """The whole run: one instance per section, named as in the TOML file."""
 
@@ -228,6 +242,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     loss: Loss = field(default_factory=Loss)
     validation: Validation = field(default_factory=Validation)
+    comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -402,6 +417,18 @@ def _check_combinations(cfg: JobConfig) -> None:
         raise ConfigError(
             "--checkpoint.create_seed_checkpoint writes fresh weights; it cannot be combined with "
             "checkpoint.initial_load_path or checkpoint.load_step"
+        )
+    comm = cfg.comm
+    if comm.mode == "fake_backend" and not comm.fake_rank < comm.fake_world_size:
+        raise ConfigError(
+            f"--comm.mode fake_backend plays rank comm.fake_rank ({comm.fake_rank}) of "
+            f"comm.fake_world_size ({comm.fake_world_size}) ranks: set --comm.fake_world_size N "
+            "(the job's GPU count) and a rank below it"
+        )
+    if comm.mode == "default" and (comm.fake_world_size or comm.fake_rank):
+        raise ConfigError(
+            "comm.fake_world_size / comm.fake_rank only apply to a dry run: add "
+            "--comm.mode fake_backend"
         )
     ratio = cfg.lr_scheduler.decay_ratio
     if ratio != -1 and not 0 <= ratio <= 1:

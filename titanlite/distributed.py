@@ -47,6 +47,16 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     return rank, local_rank, world_size, device
 
 
+def init_fake_distributed(rank: int, world_size: int) -> tuple[int, int, int, torch.device]:
+    """One process plays `rank` of `world_size` over torch's fake process group: collectives
+    return at once without moving data, so meshes, DTensor and FSDP build exactly as on the
+    real job while only this rank's shards exist, on the CPU."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return rank, 0, world_size, torch.device("cpu")
+
+
 def _init_process_group(backend: str) -> None:
     """init_process_group on torchrun's store, namespaced by the elastic restart count.
 

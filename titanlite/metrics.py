@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -22,18 +23,23 @@ logger = logging.getLogger(__name__)
 
 _GIB = 2**30
 
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, matched as substrings of
-# torch.cuda.get_device_name(). Order matters: more specific names first.
-# Sources: NVIDIA/AMD datasheets, the same numbers torchtitan uses.
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s per GPU. A row matches when every one of
+# its words is a word of torch.cuda.get_device_name() (split on spaces and dashes), never a
+# substring: "H200" must not match "GH200" nor "B200" match "GB200". First match wins, so a
+# variant (NVL, PCIe) comes before its plain name, which is the SXM part.
+# NVIDIA datasheets give the bf16 figure with 2:4 sparsity; the dense peak is half of it.
 _PEAK_BF16_TFLOPS = (
-    ("H100 NVL", 835.0),
-    ("H100 PCIE", 756.0),
-    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3") and other variants
-    ("H200", 989.0),  # also matches GH200, whose GPU has the same peak
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("MI300X", 1300.0),
+    (("H100", "NVL"), 835.5),  # H100 datasheet: 1,671 with sparsity
+    (("H100", "PCIE"), 756.5),  # H100 datasheet (2022 edition, PCIe): 1,513 with sparsity
+    (("H100",), 989.5),  # H100 datasheet, SXM ("NVIDIA H100 80GB HBM3"): 1,979 with sparsity
+    (("H200", "NVL"), 835.5),  # H200 datasheet, H200 NVL: 1,671 with sparsity
+    (("H200",), 989.5),  # H200 datasheet, H200 SXM: 1,979 with sparsity
+    (("GH200",), 989.5),  # GH200 Grace Hopper Superchip datasheet: 1,979 with sparsity
+    (("GB200",), 2500.0),  # GB200 NVL72 datasheet, per Blackwell GPU: 5 PFLOPS with sparsity
+    (("B200",), 2250.0),  # HGX B200 datasheet, per GPU: 4.5 PFLOPS with sparsity
+    (("A100",), 312.0),  # A100 datasheet: 312 dense, 624 with sparsity
+    (("L40S",), 362.0),  # L40S datasheet: 362.05 dense
+    (("MI300X",), 1307.4),  # AMD Instinct MI300X datasheet: 1,307.4 dense
 )
 
 _warned_devices: set[str] = set()
@@ -75,9 +81,9 @@ def get_peak_flops(
     if device.type != "cuda" or not torch.cuda.is_available():
         return _warn_unknown(str(device))
     name = torch.cuda.get_device_name(device)
-    upper = name.upper()
-    for key, tflops in _PEAK_BF16_TFLOPS:
-        if key in upper:
+    words = set(re.split(r"[\s-]+", name.upper()))
+    for keys, tflops in _PEAK_BF16_TFLOPS:
+        if words.issuperset(keys):
             return tflops * 1e12
     return _warn_unknown(name)
 
@@ -149,7 +155,8 @@ def compute_throughput(
 
 @dataclass
 class MemoryStats:
-    """Peak memory since the last reset. On CPU active == reserved == peak resident set size."""
+    """Peak memory since the last reset; allocator retries and OOMs since the process started.
+    On CPU active == reserved == peak resident set size, and the counts are 0."""
 
     max_active_gib: float
     max_active_pct: float
@@ -168,7 +175,35 @@ class DeviceMemoryMonitor:
             self.capacity = torch.cuda.get_device_properties(self.device).total_memory
         else:
             self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self._reported_retries = self._reported_ooms = 0
         self.reset_peak_stats()
+
+    def log_values(self) -> dict[str, float]:
+        """A log line's memory values: peak reserved GiB since the last reset_peak_stats, and the
+        allocator's retry and OOM counts since the process started. Warns (on every rank: each
+        has its own device) when a count grew since the previous call."""
+        stats = self.get_peak_stats()
+        new_retries = stats.num_alloc_retries - self._reported_retries
+        new_ooms = stats.num_ooms - self._reported_ooms
+        if new_retries > 0 or new_ooms > 0:
+            # A retry means an allocation failed, so the allocator freed every cached block,
+            # synchronized and tried again: the step stalls, and the next failure is an OOM.
+            logger.warning(
+                f"CUDA allocator near its limit since the last log line: {new_retries} more "
+                f"allocation retries ({stats.num_alloc_retries} in all), {new_ooms} more "
+                f"out-of-memory errors ({stats.num_ooms} in all); peak reserved "
+                f"{stats.max_reserved_gib:.2f} GiB ({stats.max_reserved_pct:.0f}%). To fix: lower "
+                "--training.local_batch_size (a set --training.global_batch_size is kept by "
+                "accumulating microbatches), set "
+                "--activation_checkpoint.mode selective or full, or launch with "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the launch scripts' default)."
+            )
+        self._reported_retries, self._reported_ooms = stats.num_alloc_retries, stats.num_ooms
+        return {
+            "memory_gib": stats.max_reserved_gib,
+            "alloc_retries": stats.num_alloc_retries,
+            "ooms": stats.num_ooms,
+        }
 
     def get_peak_stats(self) -> MemoryStats:
         if self.device.type == "cuda":
@@ -241,6 +276,8 @@ _TB_TAGS = {
     "tflops": "throughput/tflops",
     "mfu": "mfu_pct",
     "memory_gib": "memory/max_reserved_gib",
+    "alloc_retries": "memory/alloc_retries",
+    "ooms": "memory/ooms",
     "data_time_pct": "time/data_pct",
     "elapsed_s": "time/elapsed_s",
 }

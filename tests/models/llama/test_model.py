@@ -22,8 +22,7 @@ def build(seed=0, **overrides):
     if overrides:
         args = ModelArgs(**{**args.__dict__, **overrides})
     model = Transformer(args)
-    torch.manual_seed(seed)
-    model.init_weights()
+    model.init_weights(seed)
     return model
 
 
@@ -144,15 +143,13 @@ def test_rotary_matches_meta_complex_reference():
 def test_meta_init_equals_direct_init():
     args = get_model_args("debugmodel", VOCAB, max_seq_len=64)
     direct = Transformer(args)
-    torch.manual_seed(123)
-    direct.init_weights()
+    direct.init_weights(123)
 
     with torch.device("meta"):
         lazy = Transformer(args)
     assert lazy.rope_cache.is_meta
     lazy.to_empty(device="cpu")
-    torch.manual_seed(123)
-    lazy.init_weights()
+    lazy.init_weights(123)
 
     direct_sd, lazy_sd = direct.state_dict(), lazy.state_dict()
     assert direct_sd.keys() == lazy_sd.keys()

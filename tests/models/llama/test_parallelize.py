@@ -98,11 +98,9 @@ def train(model, dp_mesh, dp_rank, dp_degree, loss_parallel=False):
 
 
 def reference_model():
-    """The single-process init that parallel init must reproduce: seed right before init_weights
-    (construction draws random numbers of its own)."""
+    """The single-process init that parallel init must reproduce."""
     model = Transformer(ARGS)
-    torch.manual_seed(SEED)
-    model.init_weights()
+    model.init_weights(SEED)
     return model
 
 
@@ -121,11 +119,14 @@ def run_layout(name, ref_state, ref_rope):
         model = Transformer(ARGS)
     parallelize_llama(model, pd, **cfgs(**options))
     model.to_empty(device="cpu")
-    init_weights_parallel(model, ARGS, SEED, "cpu")
+    init_weights_parallel(model, SEED, "cpu")
     state = {k: full(v) for k, v in model.state_dict().items()}
     init_diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
     local_bytes = sum(p.to_local().nbytes for p in model.parameters())
     wq = model.layers["0"].attention.wq.weight
+    rope_dtypes = set()
+    for block in model.layers.values():
+        block.register_forward_pre_hook(lambda _, args: rope_dtypes.add(str(args[1].dtype)))
     losses, norms = train(model, pd.dp_mesh, pd.dp_rank, pd.dp_degree, lp)
     return {
         "keys": sorted(state),
@@ -133,6 +134,7 @@ def run_layout(name, ref_state, ref_rope):
         "rope_ok": torch.equal(model.rope_cache, ref_rope),
         "local_param_bytes": local_bytes,
         "wq_local_shape": list(wq.to_local().shape),
+        "rope_dtypes": sorted(rope_dtypes),
         "losses": losses,
         "norms": norms,
     }
@@ -168,6 +170,8 @@ def test_layout_matches_single_process(name, parallel_results, reference_run):
     ref_losses, ref_norms = reference_run
     assert res["init_diff"] == 0.0, "parallel init must equal single-process init bitwise"
     assert res["rope_ok"]
+    # FSDP's mixed precision must not cast the rope cache (autocast without FSDP does not).
+    assert res["rope_dtypes"] == ["torch.float32"]
     assert res["keys"] == sorted(reference_model().state_dict())  # wrappers leave clean names
     # bf16 compute, fp32 master weights and reductions: measured 2e-4 (loss), 9e-4 (norm).
     rel = 5e-3 if name.endswith("bf16") else 1e-4

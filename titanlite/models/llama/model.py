@@ -14,6 +14,7 @@ from torch import nn
 
 from titanlite.loss import cross_entropy_sum, linear_cross_entropy_sum
 from titanlite.models.llama.args import ModelArgs
+from titanlite.models.tiled_init import ParamInit, fill_
 
 # Llama 3.1 RoPE scaling constants, as in Meta's reference apply_scaling.
 ROPE_SCALE_FACTOR = 8.0
@@ -64,16 +65,6 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)  # [b, s, h, hd/2, 2] -> [b, s, h, hd]
 
 
-def init_embedding_(embedding: nn.Embedding) -> None:
-    nn.init.normal_(embedding.weight)
-
-
-def init_output_(output: nn.Linear) -> None:
-    # 1/sqrt(dim) keeps the initial logits O(1), so the first loss is close to ln(vocab).
-    std = output.in_features**-0.5
-    nn.init.trunc_normal_(output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -83,11 +74,6 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-
-    def init_weights(self, out_std: float):
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -117,31 +103,17 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, hidden, bias=False)
 
-    def init_weights(self, out_std: float):
-        for linear in (self.w1, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, args: ModelArgs):
         super().__init__()
-        self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
-
-    def init_weights(self):
-        # Depth scaling keeps each residual branch's contribution from growing with layer index.
-        out_std = 0.02 / math.sqrt(2 * (self.layer_id + 1))
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(out_std)
-        self.feed_forward.init_weights(out_std)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cache)
@@ -158,32 +130,42 @@ class Transformer(nn.Module):
             )
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Non-persistent: derived from args, so checkpoints stay Meta-compatible; to_empty leaves it
-        # garbage, hence init_weights recomputes it.
+        # Non-persistent: derived from args, so checkpoints stay Meta-compatible.
         self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
         # (h, output weight, labels, chunk_tokens) -> summed CE; apply_tp swaps in a sharded one.
         self.chunked_loss = linear_cross_entropy_sum
 
-    def init_weights(self, buffer_device: torch.device | str | None = None):
-        """Initialize every parameter and the RoPE buffer (after to_empty, or to re-init).
+    def param_init(self, name: str) -> ParamInit:
+        """The distribution of parameter `name` (a state-dict key, any layout's)."""
+        if name.endswith("norm.weight"):
+            return ParamInit(constant=1.0)
+        if name == "tok_embeddings.weight":
+            return ParamInit(std=1.0)
+        if name == "output.weight":
+            # 1/sqrt(dim) keeps the initial logits O(1): the first loss is close to ln(vocab).
+            std = self.args.dim**-0.5
+            return ParamInit(std=std, bound=3 * std)
+        std = 0.02
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            # Depth scaling keeps each residual branch's contribution from growing with depth.
+            std /= math.sqrt(2 * (int(name.split(".")[1]) + 1))
+        return ParamInit(std=std, bound=2.0)
 
-        buffer_device: where to build rope_cache (default: where it is now), e.g. "cuda" when the
-        parameters are initialized on CPU but the buffer must live on the accelerator.
-        """
-        with torch.device(buffer_device or self.rope_cache.device):
+    def init_buffers(self, device: torch.device | str | None = None):
+        """Compute rope_cache (not in checkpoints; to_empty leaves it garbage) on `device`
+        (default: where it is now), e.g. "cuda" when the parameters were built elsewhere."""
+        with torch.device(device or self.rope_cache.device):
             self.rope_cache = precompute_rope_cache(self.args)
-        # This order (embedding, blocks, norm, output) is the RNG stream that
-        # parallelize.init_weights_parallel replays unit by unit.
-        init_embedding_(self.tok_embeddings)
-        for layer in self.layers.values():
-            layer.init_weights()
-        self.norm.reset_parameters()
-        init_output_(self.output)
+
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None):
+        """Draw every parameter from `seed` (tiled: a sharded copy of this model draws the same
+        values for its shards, see tiled_init) and compute the buffers."""
+        self.init_buffers(buffer_device)
+        for name, param in self.named_parameters():
+            fill_(param, self.param_init(name), seed=seed, key=name, global_shape=param.shape)
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count (global under FSDP/TP: DTensor.numel() is the full size)."""

@@ -12,7 +12,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -23,13 +24,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titanlite.models.llama.model import (
-    TransformerBlock,
-    init_embedding_,
-    init_output_,
-    precompute_rope_cache,
-)
 from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
+from titanlite.models.tiled_init import fill_
 from titanlite.parallel_dims import ParallelDims
 
 # Wrapper prefixes that checkpoint_wrapper / torch.compile insert into parameter names.
@@ -122,6 +118,7 @@ _SAC_SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,  # what Hopper picks
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     # Under TP, recomputing would repeat the reduce-scatter collective.
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
@@ -173,13 +170,19 @@ def apply_fsdp(
     global token count, so FSDP's default averaging would divide twice.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Blocks must not cast their inputs: the rope cache would reach them in bf16 under FSDP but
+    # in fp32 without it (autocast leaves it alone). The residual stream is already in
+    # param_dtype, as the embedding's output.
+    block_mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     keys = list(model.layers.keys())
     for key in keys:
         # 'default': the last block would be all-gathered again right away for backward.
         reshard = reshard_after_forward == "always" or (
             reshard_after_forward == "default" and key != keys[-1]
         )
-        fully_shard(model.layers[key], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model.layers[key], mesh=mesh, mp_policy=block_mp, reshard_after_forward=reshard)
     # The root keeps FSDP's root default (no reshard): its params are needed first in backward.
     fully_shard(model, mesh=mesh, mp_policy=mp)
     for module in model.modules():
@@ -207,56 +210,21 @@ def _clean_name(name: str) -> str:
 
 
 @torch.no_grad()
-def _copy_unit(target: nn.Module, source: nn.Module) -> None:
-    """Copy every parameter of the unsharded `source` into `target`'s (maybe sharded) params."""
-    full = dict(source.named_parameters())
-    for name, param in target.named_parameters():
-        value = full.pop(_clean_name(name)).to(param.device)
-        if isinstance(param, DTensor):
-            # Every rank holds the same full tensor, so each takes its own shard locally
-            # (src_data_rank=None: no broadcast).
-            value = distribute_tensor(
-                value, param.device_mesh, param.placements, src_data_rank=None
-            )
-        param.copy_(value)
-    assert not full, f"parameters not copied: {sorted(full)}"
-
-
-def _cpu_unit(build) -> nn.Module:
-    """Build a module on meta and materialize it on CPU: construction draws no random numbers,
-    so the caller's RNG stream is consumed only by the explicit init calls."""
-    with torch.device("meta"):
-        module = build()
-    return module.to_empty(device="cpu")
-
-
-@torch.no_grad()
-def init_weights_parallel(model: nn.Module, model_args, seed: int, device) -> None:
+def init_weights_parallel(model: nn.Module, seed: int, device) -> None:
     """Give `model` (plain, TP, FSDP or both, after to_empty) exactly the weights of
-    `torch.manual_seed(seed); Transformer(args).init_weights()` on CPU, for any layout.
+    `Transformer(args).init_weights(seed)` in one process on this device type, for any layout.
 
-    DTensor random init on CPU meshes draws the same numbers on every rank, so each
-    unit (embedding, each block, final norm, output) is built unsharded on CPU, one at a time,
-    initialized in the single-process order from one CPU RNG stream, then sliced into the local
-    shards. Peak extra memory is one unsharded unit; every rank pays the full RNG time.
+    Each rank draws only the tiles that cover its own shards (titanlite.models.tiled_init), on
+    the device: the cost per rank follows its shard, not the model.
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        # Same order as Transformer.init_weights: embedding, blocks, norm, output.
-        emb = _cpu_unit(lambda: nn.Embedding(model_args.vocab_size, model_args.dim))
-        init_embedding_(emb)
-        _copy_unit(model.tok_embeddings, emb)
-        del emb
-        for key, block in model.layers.items():
-            ref = _cpu_unit(lambda k=key: TransformerBlock(int(k), model_args))
-            ref.init_weights()
-            _copy_unit(block, ref)
-        norm = _cpu_unit(lambda: nn.RMSNorm(model_args.dim, eps=model_args.norm_eps))
-        norm.reset_parameters()
-        _copy_unit(model.norm, norm)
-        out = _cpu_unit(lambda: nn.Linear(model_args.dim, model_args.vocab_size, bias=False))
-        init_output_(out)
-        _copy_unit(model.output, out)
-    # Non-persistent buffer: to_empty left it uninitialized.
-    with torch.device(device):
-        model.rope_cache = precompute_rope_cache(model_args)
+    for name, param in model.named_parameters():
+        key, local, offset = _clean_name(name), param, None
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            assert tuple(local.shape) == tuple(shape), (key, local.shape, shape)
+        fill_(local, model.param_init(key), seed=seed, key=key, global_shape=param.shape,
+              offset=offset)  # fmt: skip
+    model.init_buffers(device)

@@ -1,0 +1,95 @@
+"""train.py's whole-model jobs that run in one process: the dry run at a target world size over
+a fake process group, and the seed checkpoint; and a resumed run that draws no weights."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from titanlite.config import parse_args
+from titanlite.distributed import init_distributed
+from titanlite.models.llama.model import Transformer
+
+SMALL = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
+SMALL += ["--training.seq_len", "32", "--training.local_batch_size", "2"]
+
+
+def run(args, check=True):
+    proc = subprocess.run(
+        [sys.executable, "train.py", *args], capture_output=True, text=True, timeout=600
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize(
+    "flavor, world, tp",
+    [("debugmodel", 64, 8), pytest.param("8B", 64, 8, marks=pytest.mark.slow)],
+)
+def test_dry_run_builds_only_this_ranks_share(tmp_path, flavor, world, tp):
+    args = ["--job.config_file", "debug_model.toml", "--model.flavor", flavor]
+    args += ["--comm.mode", "fake_backend", "--comm.fake_world_size", str(world)]
+    args += ["--comm.fake_rank", "3", "--parallelism.tensor_parallel_degree", str(tp)]
+    run([*args, "--job.dump_folder", str(tmp_path)])
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert (report["world_size"], report["rank"]) == (world, 3)
+    assert f"dp_shard={world // tp}, tp={tp}" in report["layout"]
+    # FSDP pads uneven dims (the norms) by at most a row per parameter.
+    assert report["params_local"] == pytest.approx(report["params_total"] / world, rel=0.01)
+    cfg = parse_args(args)
+    model_args = train.model_args_for(cfg, train.build_tokenizer(cfg.model))
+    with torch.device("meta"):
+        assert report["params_total"] == Transformer(model_args).num_params(False)
+    assert report["checkpoint_bytes"] == 12 * report["params_total"]  # fp32 weights + 2 moments
+    assert report["init_seconds"] > 0 and report["estimated_peak_gib"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dry_run.json"]  # nothing else written
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["--comm.fake_world_size", "6", "--parallelism.tensor_parallel_degree", "4"],
+            "world size",
+        ),
+        (["--comm.fake_world_size", "2", "--comm.fake_rank", "2"], "fake_rank (2)"),
+        (["--comm.fake_world_size", "0"], "--comm.fake_world_size N"),
+    ],
+)
+def test_dry_run_rejects_a_layout_the_job_would_reject(tmp_path, args, expected):
+    proc = run([*SMALL, "--comm.mode", "fake_backend", *args, "--job.dump_folder", str(tmp_path)],
+               check=False)  # fmt: skip
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_fake_world_without_the_fake_backend_is_an_error(tmp_path):
+    proc = run([*SMALL, "--comm.fake_world_size", "8"], check=False)
+    assert proc.returncode == 2 and "--comm.mode fake_backend" in proc.stderr
+
+
+def test_seed_checkpoint_holds_the_drawn_weights_and_loading_it_draws_none(tmp_path, monkeypatch):
+    seed_args = [*SMALL, "--training.seed", "5", "--job.dump_folder", str(tmp_path / "seed")]
+    assert train.main([*seed_args, "--checkpoint.create_seed_checkpoint"]) == 0
+    step0 = tmp_path / "seed" / "checkpoint" / "step-0"
+    assert (step0 / "COMPLETE").is_file()
+
+    def no_draws(*_):
+        raise AssertionError("weights drawn although a checkpoint overwrites them")
+
+    monkeypatch.setattr(train, "init_weights_parallel", no_draws)
+    cfg = parse_args([*SMALL, "--checkpoint.initial_load_path", str(step0),
+                      "--job.dump_folder", str(tmp_path / "run")])  # fmt: skip
+    trainer = train.Trainer(cfg, init_distributed())
+    try:
+        want = Transformer(trainer.model_args)
+        want.init_weights(seed=5)
+        for name, value in want.state_dict().items():
+            assert torch.equal(trainer.model.state_dict()[name], value), name
+        assert torch.equal(trainer.model.rope_cache, want.rope_cache)  # buffers still computed
+    finally:
+        trainer.close()
