@@ -152,7 +152,9 @@ class Transformer(nn.Module):
         if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
             # Depth scaling keeps each residual branch's contribution from growing with depth.
             std /= math.sqrt(2 * (int(name.split(".")[1]) + 1))
-        return ParamInit(std=std, bound=2.0)
+        # Untruncated: the usual cut at +-2 is 100 std here, never reached, and plain normal
+        # draws 4x faster than truncated normal (most of init time at 405B).
+        return ParamInit(std=std)
 
     def init_buffers(self, device: torch.device | str | None = None):
         """Compute rope_cache (not in checkpoints; to_empty leaves it garbage) on `device`
