@@ -20,6 +20,7 @@ from titanlite.distributed import clip_grad_norm_, dist_sum
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.parallelize import (
+    _SAC_SAVE,
     init_weights_parallel,
     loss_parallel_ctx,
     parallelize_llama,
@@ -208,6 +209,19 @@ def test_activation_checkpointing_matches_eager(ac_mode, option):
     assert torch.equal(loss, ref_loss)
     for k, g in grads.items():
         torch.testing.assert_close(g, ref_grads[k.replace("_checkpoint_wrapped_module.", "")])
+
+
+def test_selective_ac_saves_every_fused_attention_kernel():
+    """SDPA dispatches to a different kernel per device and GPU generation (Hopper: cuDNN); a
+    kernel the policy misses is recomputed in backward, the costliest op of the block."""
+    kernels = [
+        name for name in dir(torch.ops.aten)
+        if name.startswith("_scaled_dot_product_") and name.endswith(("attention", "_for_cpu"))
+        and "mps" not in name  # Apple's math fallback: no fused kernel to save
+    ]  # fmt: skip
+    assert len(kernels) >= 4  # flash, flash for CPU, efficient, cuDNN
+    for name in kernels:
+        assert getattr(torch.ops.aten, name).default in _SAC_SAVE, name
 
 
 @pytest.mark.slow
