@@ -297,13 +297,8 @@ class Trainer:
         return self.rank == int(os.environ.get("LOG_RANK", 0))
 
     def model_context(self):
-        """Around every forward and backward: loss parallel, and autocast where FSDP's mixed
-        precision policy is absent (no FSDP) and the compute dtype is not fp32."""
-        ctx = contextlib.ExitStack()
-        ctx.enter_context(loss_parallel_ctx(self.cfg.parallelism.enable_loss_parallel))
-        if not self.parallel_dims.fsdp_enabled and self.compute_dtype != torch.float32:
-            ctx.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
-        return ctx
+        """Around every forward and backward (CE backward on vocab-sharded logits needs it too)."""
+        return loss_parallel_ctx(self.cfg.parallelism.enable_loss_parallel)
 
     # ------------------------------------------------------------------ the schedule
     def train(self) -> int:

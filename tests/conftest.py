@@ -32,6 +32,16 @@ def offline_env(tmp_path_factory):
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """Each in-process test starts without a default process group: a world-1 Trainer or
+    train.main that returned early on a user error leaves its one-rank group behind (a real run's
+    process exits), and the next test may need a different one (the dry run's fake group)."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def run_train(args, nproc=1, env=None, timeout=600, check=True, nnodes_args=None):
     """Run train.py as a user would: plain python for one process, torchrun (gloo) for more.
 

@@ -27,12 +27,17 @@ def test_plain_python_is_world_one(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     rank, local_rank, world, device = init_distributed()
-    assert (rank, local_rank, world) == (0, 0, 1)
-    assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        assert (rank, local_rank, world) == (0, 0, 1)
+        assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+        # A one-rank group of its own, so meshes (and FSDP's mixed precision) exist in world 1.
+        assert torch.distributed.get_world_size() == 1
+        x = torch.tensor([1.0, 5.0])
+        assert torch.equal(dist_sum(x), x) and torch.equal(world_sum(x), x)
+    finally:
+        destroy()
     assert not torch.distributed.is_initialized()
-    x = torch.tensor([1.0, 5.0])
-    assert torch.equal(dist_sum(x), x) and torch.equal(world_sum(x), x)
-    destroy()  # no process group: a no-op
+    destroy()  # no process group left: a no-op
 
 
 def test_clip_matches_torch():

@@ -1,6 +1,6 @@
 """Process-group setup, cross-mesh gradient clipping and small reduction helpers.
 
-Works the same under torchrun (any world size) and plain `python` (no process group, world 1):
+Works the same under torchrun (any world size) and plain `python` (a one-rank process group):
 every helper degrades to a no-op when there is nothing to reduce over.
 """
 
@@ -12,25 +12,21 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-
-def _num_cores() -> int:
-    # Respect taskset / cgroup pinning: cpu_count() reports the whole machine.
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+from titanlite.host import cpus_per_local_rank
 
 
 def init_distributed() -> tuple[int, int, int, torch.device]:
-    """Start the process group if launched by torchrun; return (rank, local_rank, world, device).
+    """Start the process group; return (rank, local_rank, world, device).
 
     cuda:{LOCAL_RANK} + nccl when CUDA is present, else cpu + gloo. Plain `python` (no RANK /
-    WORLD_SIZE in the environment) creates no process group and reports world size 1.
+    WORLD_SIZE in the environment) is a world of one rank with its own in-memory store: every
+    world, one included, has a process group, so meshes and FSDP's mixed precision exist in every
+    layout.
     """
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0)) if launched else 0
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched else 0
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched else 1
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if launched else 1
 
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -40,10 +36,13 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
         # N ranks on one host each defaulting to all cores oversubscribe the CPU badly; an explicit
         # OMP_NUM_THREADS (torchrun sets 1 when it starts >1 process) is the user's choice and wins.
         if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, _num_cores() // max(1, local_world)))
+            torch.set_num_threads(cpus_per_local_rank())
 
-    if launched and world_size > 1 and not dist.is_initialized():
-        _init_process_group(backend)
+    if not dist.is_initialized():
+        if launched:
+            _init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, local_rank, world_size, device
 
 

@@ -15,8 +15,8 @@ error):
 - FSDP keeps the root's unsharded param_dtype weights (embedding, final norm, output) for the
   whole step, and 2 blocks' unsharded weights in flight (current + prefetched) plus one block's
   unsharded fp32 gradient waiting for its reduce-scatter.
-- One process with bf16 runs under autocast, whose cache holds a bf16 copy of every matmul weight
-  through forward and backward; the residual stream stays fp32 there.
+- Without data parallelism FSDP still wraps the model when the compute dtype is not fp32 (its
+  policy is the only mixed-precision mechanism), over a one-rank mesh: the same buffers as above.
 - Activations per block and token follow this repo's model.py (eager, no fusion): saved tensors of
   9 x dim + 4 x ffn_dim elements (norm in/out x2, q/k/v after RoPE, SDPA output, wo input, w1/w3
   outputs, silu output, the gated product; GQA k/v are repeated before SDPA so they count at
@@ -87,12 +87,8 @@ class MemorySetup:
 
     @property
     def fsdp(self) -> bool:
-        # parallelize_llama applies FSDP when the shard degree is > 1 (HSDP when replicate > 1).
-        return self.dp_shard > 1 or self.dp_replicate > 1
-
-    @property
-    def autocast(self) -> bool:
-        return not self.fsdp and self.param_dtype != "float32"
+        # parallelize_llama applies FSDP with data parallelism or a compute dtype below fp32.
+        return self.dp_shard > 1 or self.dp_replicate > 1 or self.param_dtype != "float32"
 
 
 @dataclass
@@ -135,9 +131,8 @@ def _local_params(counts: dict[str, int], s: MemorySetup) -> float:
     return (counts["tp_split"] / s.tp + counts["replicated"]) / s.dp_shard
 
 
-def block_activation_elems(s: MemorySetup) -> tuple[float, float, float, float]:
-    """Per token, elements one block saves for backward: (no AC, selective op, full AC, the
-    residual-stream share of the no-AC figure)."""
+def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
+    """Per token, elements one block saves for backward: (no AC, selective op, full AC)."""
     a, tp = s.model_args, s.tp
     dim, ffn, kv = a.dim, a.ffn_hidden_dim, a.num_kv_heads * a.head_dim
     # SP: norm inputs/outputs are sequence-sharded; their all-gathered copies (the linears'
@@ -151,7 +146,7 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float, float]:
     # Selective op: block input + mm outputs (q, k, v before repeat, wo, w1, w3, w2) + sdpa out.
     sac = dim / tp + (dim + 2 * kv + dim + 2 * ffn + dim + dim) / tp
     ckpt = dim / tp  # full AC: the block input only
-    return full, sac, ckpt, norm_io
+    return full, sac, ckpt
 
 
 def activation_bytes(s: MemorySetup) -> float:
@@ -159,9 +154,8 @@ def activation_bytes(s: MemorySetup) -> float:
     a = s.model_args
     tokens = s.local_batch_size * s.seq_len
     act = DTYPE_BYTES[s.param_dtype]
-    full, sac, ckpt, residual = block_activation_elems(s)
-    # Autocast keeps the residual stream (norm inputs) in fp32.
-    full_bytes = full * act + (residual * (4 - act) if s.autocast else 0)
+    full, sac, ckpt = block_activation_elems(s)
+    full_bytes = full * act
     if s.ac_mode == "none":
         saved = a.n_layers * full_bytes
     elif s.ac_mode == "full":
@@ -179,7 +173,7 @@ def loss_bytes(s: MemorySetup) -> float:
     """Logits and their gradients at the loss, the largest single term for big vocabularies."""
     a = s.model_args
     tokens = s.local_batch_size * s.seq_len
-    act = DTYPE_BYTES[s.param_dtype if s.fsdp or s.autocast else "float32"]
+    act = DTYPE_BYTES[s.param_dtype]
     vocab = a.vocab_size / s.tp if s.loss_parallel else a.vocab_size
     if s.chunk_tokens <= 0:
         return tokens * vocab * (3 * 4 + (act if act != 4 else 0))
@@ -192,10 +186,8 @@ def loss_bytes(s: MemorySetup) -> float:
 
 
 def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
-    """Unsharded weights and grads that FSDP (or autocast) materializes during the step."""
+    """Unsharded weights and grads that FSDP materializes during the step."""
     pb = DTYPE_BYTES[s.param_dtype]
-    if s.autocast:
-        return (counts["total"] - counts["root"] + counts["root"] / 2) * pb  # cached casts
     if not s.fsdp:
         return 0.0
     # FSDP all-gathers over dp_shard only: the gathered weights are still TP-local (1/tp).

@@ -46,7 +46,7 @@ class ParallelDims:
             )
         self.dp_replicate, self.dp_shard, self.tp = dp_replicate, dp_shard, tp
         self.world_size = world_size
-        self.world_mesh: DeviceMesh | None = None
+        self.world_mesh: DeviceMesh | None = None  # set by build_mesh
         self._dp_mesh: DeviceMesh | None = None
 
     def __repr__(self) -> str:
@@ -100,14 +100,12 @@ class ParallelDims:
                 "vocabulary over TP ranks); turn it off or raise the TP degree"
             )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The world mesh (all three named dims, size-1 ones kept); None in world 1.
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The world mesh (all three named dims, size-1 ones kept), world 1 included.
 
         Keeping size-1 dims makes every slice below valid for any layout, at the cost of a few
         unused one-rank groups.
         """
-        if self.world_size == 1:
-            return None
         shape = (self.dp_replicate, self.dp_shard, self.tp)
         self.world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         if self.dp_enabled:
@@ -130,10 +128,9 @@ class ParallelDims:
         return self._dp_mesh.get_local_rank() if self._dp_mesh is not None else 0
 
     @property
-    def fsdp_mesh(self) -> DeviceMesh | None:
-        """Mesh for fully_shard: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
-        if not self.fsdp_enabled:
-            return None
+    def fsdp_mesh(self) -> DeviceMesh:
+        """Mesh for fully_shard: 1-D dp_shard (one rank when there is no data parallelism and
+        FSDP only does mixed precision), or 2-D (dp_replicate, dp_shard) for HSDP."""
         if self.hsdp_enabled:
             return self._mesh()[("dp_replicate", "dp_shard")]
         return self._mesh()["dp_shard"]

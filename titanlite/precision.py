@@ -48,7 +48,7 @@ def has_fast_bf16(device: torch.device) -> bool:
 
 
 def resolve_param_dtype(choice: str, device: torch.device) -> torch.dtype:
-    """The compute (FSDP param / autocast) dtype for `training.mixed_precision_param`."""
+    """The compute (FSDP param) dtype for `training.mixed_precision_param`."""
     device = torch.device(device)
     if choice == "auto":
         if has_fast_bf16(device):

@@ -6,7 +6,6 @@ rank 0 measured; the tests compare it with the same steps run here in one proces
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,7 +42,9 @@ LAYOUTS = {
         {"loss_parallel": True, "ac_mode": "selective", "ac_option": "2"},
     ),
     "fsdp4_bf16": ((1, 4, 1), {"param_dtype": "bfloat16"}),
+    "tp4_bf16": ((1, 1, 4), {"param_dtype": "bfloat16"}),
 }
+BF16 = {"param_dtype": "bfloat16"}
 
 
 def cfgs(
@@ -109,11 +110,10 @@ def full(p):
     return p.full_tensor() if isinstance(p, DTensor) else p.detach()
 
 
-def run_layout(name, ref_state, ref_rope):
+def run_layout(degrees, options, ref_state, ref_rope):
     """Build meta -> parallelize -> to_empty -> init; check init, shards; train. Rank-0 result."""
-    degrees, options = LAYOUTS[name]
     lp = options.get("loss_parallel", False)
-    pd = ParallelDims(*degrees, int(os.environ["WORLD_SIZE"]))
+    pd = ParallelDims(*degrees, torch.distributed.get_world_size())
     pd.validate_model(ARGS, SimpleNamespace(enable_loss_parallel=lp))
     pd.build_mesh("cpu")
     with torch.device("meta"):
@@ -145,7 +145,7 @@ def worker(out_path):
     torch.distributed.init_process_group("gloo")
     ref = reference_model()
     ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
-    results = {name: run_layout(name, ref_state, ref.rope_cache) for name in LAYOUTS}
+    results = {name: run_layout(*LAYOUTS[name], ref_state, ref.rope_cache) for name in LAYOUTS}
     if torch.distributed.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
@@ -187,6 +187,33 @@ def test_fsdp_shards_params_and_tp_splits_heads(parallel_results):
     assert parallel_results["fsdp4"]["local_param_bytes"] == pytest.approx(total / 4, rel=0.02)
     assert parallel_results["tp4"]["wq_local_shape"] == [ARGS.dim // 4, ARGS.dim]
     assert parallel_results["fsdp2_tp2_sac"]["wq_local_shape"] == [ARGS.dim // 4, ARGS.dim]
+
+
+@pytest.fixture(scope="module")
+def one_process_bf16():
+    """bf16 in one process: a one-rank group, as plain `python train.py` has (no autocast)."""
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        ref = reference_model()
+        return run_layout((1, 1, 1), BF16, ref.state_dict(), ref.rope_cache)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp4_bf16", "tp4_bf16"])
+def test_bf16_losses_match_one_process(name, parallel_results, one_process_bf16):
+    """One process, TP only and FSDP compute bf16 through the same FSDP policy, so they differ
+    only by summation order (TP's bf16 partial sums, the fp32 gradient reductions). Measured
+    against one process: FSDP4 2e-7 / 3.5e-5 / 7e-6 over 3 steps, TP4 8e-6 / 2e-5 / 6e-6; autocast
+    in one process (the old mechanism, whose residual stream stays fp32) was 8e-5 / 2e-4 / 3e-5
+    off and fails both checks."""
+    res, one = parallel_results[name], one_process_bf16
+    assert one["init_diff"] == 0.0 and one["rope_dtypes"] == ["torch.float32"]
+    assert res["losses"][0] == pytest.approx(one["losses"][0], rel=2e-5)  # same weights
+    assert res["losses"] == pytest.approx(one["losses"], rel=1e-4)
 
 
 def one_step(model):

@@ -45,7 +45,7 @@ def parallelize_llama(
     """Transform `model` in place (blocks may be replaced by wrappers) and return it.
 
     param_dtype / reduce_dtype are FSDP's compute and gradient-reduction dtypes, already resolved
-    (titanlite.precision.resolve_param_dtype for "auto"); unused without FSDP.
+    (titanlite.precision.resolve_param_dtype for "auto").
     """
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.tp_mesh, parallelism_cfg.enable_loss_parallel)
@@ -53,7 +53,12 @@ def parallelize_llama(
         apply_ac(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
         apply_compile(model, compile_cfg.backend)
-    if parallel_dims.fsdp_enabled:
+    # FSDP's policy is the only mixed-precision mechanism, in every layout: autocast keeps the
+    # residual stream in fp32 and rounds differently (one process under it was 1.5e-4 off FSDP 4
+    # after four bf16 steps of the debug model). Without data parallelism FSDP runs over a
+    # one-rank mesh, where it only casts.
+    mixed_precision = param_dtype != torch.float32 or reduce_dtype != torch.float32
+    if parallel_dims.fsdp_enabled or mixed_precision:
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh,
@@ -170,9 +175,8 @@ def apply_fsdp(
     global token count, so FSDP's default averaging would divide twice.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # Blocks must not cast their inputs: the rope cache would reach them in bf16 under FSDP but
-    # in fp32 without it (autocast leaves it alone). The residual stream is already in
-    # param_dtype, as the embedding's output.
+    # Blocks must not cast their inputs: the rope cache must stay fp32 (it would reach them in
+    # bf16). The residual stream is already in param_dtype, as the embedding's output.
     block_mp = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )

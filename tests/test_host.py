@@ -1,0 +1,31 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from titanlite.host import cpus_per_local_rank
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs CPU affinity")
+@pytest.mark.parametrize("local_ranks, expected", [(None, 2), ("2", 1), ("4", 1)])
+def test_cpus_follow_affinity_shared_by_local_ranks(local_ranks, expected):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs to pin to")
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
+    if local_ranks:
+        env["LOCAL_WORLD_SIZE"] = local_ranks
+    # Pinned to 2 CPUs of however many the machine has: the count must follow the pinning.
+    pin = sorted(os.sched_getaffinity(0))[:2]
+    code = (
+        f"import os; os.sched_setaffinity(0, {pin}); "
+        "from titanlite.host import cpus_per_local_rank; print(cpus_per_local_rank())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == expected
+
+
+def test_at_least_one(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
+    assert cpus_per_local_rank() == 1
