@@ -1,9 +1,11 @@
 import base64
+import threading
 from types import SimpleNamespace
 
 import pytest
 
 from titanlite.data.tokenizer import build_tokenizer, llama3_special_tokens
+from titanlite.host import cpus_per_local_rank
 
 TEXT = "def f(x):\n    return x + 1  # hello, world! 123\n"
 
@@ -46,6 +48,17 @@ def test_special_token_text_is_plain_text(cl100k):
 def test_encode_batch_matches_encode(cl100k):
     texts = [TEXT, "", "hello world"]
     assert cl100k.encode_batch(texts, True, True) == [cl100k.encode(t, True, True) for t in texts]
+
+
+def test_encode_batch_reuses_one_pool_sized_to_this_rank(cl100k):
+    def pool_threads():
+        return {t.ident for t in threading.enumerate() if t.name.startswith("titanlite-tokenize")}
+
+    cl100k.encode_batch([TEXT] * 16, True, True)
+    first = pool_threads()
+    cl100k.encode_batch([TEXT] * 16, True, True)
+    assert pool_threads() == first  # no new threads per call
+    assert 1 <= len(first) <= cpus_per_local_rank()
 
 
 def test_vocab_limit_small_valid_vocab():

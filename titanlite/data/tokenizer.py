@@ -5,12 +5,16 @@ BOS/EOS are added explicitly by `encode(text, bos, eos)`; the text itself is alw
 scraped web page) are plain text and never raise.
 """
 
+import functools
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
+
+from titanlite.host import cpus_per_local_rank
 
 # Llama 3's pre-tokenization regex (from Meta's llama3 tokenizer.py).
 LLAMA3_PAT_STR = (
@@ -38,6 +42,13 @@ def llama3_special_tokens() -> list[str]:
     return named + reserved
 
 
+@functools.cache
+def _encode_pool() -> ThreadPoolExecutor:
+    """One pool per process, kept for its lifetime: tiktoken's own batch call starts cpu_count()
+    new threads per call, in every rank (8 ranks x 64 threads on a GPU node), ignoring affinity."""
+    return ThreadPoolExecutor(cpus_per_local_rank(), thread_name_prefix="titanlite-tokenize")
+
+
 class Tokenizer:
     """A tiktoken Encoding plus the ids the data pipeline needs.
 
@@ -60,9 +71,9 @@ class Tokenizer:
         return self._wrap(self.encoding.encode_ordinary(text), bos, eos)
 
     def encode_batch(self, texts: list[str], bos: bool, eos: bool) -> list[list[int]]:
-        """Like `encode` on each text, on all cores (tiktoken releases the GIL while encoding)."""
-        threads = max(1, os.cpu_count() or 1)
-        batch = self.encoding.encode_ordinary_batch(texts, num_threads=threads)
+        """Like `encode` on each text, on this rank's share of the CPUs (tiktoken releases the
+        GIL while encoding)."""
+        batch = _encode_pool().map(self.encoding.encode_ordinary, texts)
         return [self._wrap(ids, bos, eos) for ids in batch]
 
     def decode(self, ids) -> str:
