@@ -499,6 +499,7 @@ def main(argv=None) -> int:
         # traceback wall. Every rank fails the same way, so one of them says it.
         if rank == 0:
             print(f"titanlite: error: {e}", file=sys.stderr)
+        destroy(barrier=False)
         return 2
     if rank == 0:
         dump_toml(cfg, os.path.join(cfg.job.dump_folder, "config.toml"))

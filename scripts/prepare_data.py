@@ -1,14 +1,21 @@
-"""Tokenize a data source into the token cache ahead of training (the loaders' own function).
+"""Tokenize a corpus into a token store ahead of training, with a pool of worker processes.
 
-Takes the same options as train.py (only model.* tokenizer fields, training.dataset*,
-training.data_cache_dir and validation.dataset_path matter):
+    python scripts/prepare_data.py --workers 16 --out /data/c4_llama3 \\
+        --training.dataset c4 --model.tokenizer_path tokenizer.model
+    python train.py --training.dataset_path /data/c4_llama3 --model.tokenizer_path tokenizer.model
 
-    python scripts/prepare_data.py --job.config_file debug_model
-    python scripts/prepare_data.py --training.dataset local --training.dataset_path 'data/*.jsonl'
+Takes train.py's options (only model.* tokenizer fields, training.dataset*,
+training.data_cache_dir and validation.dataset_path matter) plus:
+  --workers W   tokenizing processes (default: the CPU count); the store is the same for any W
+  --out DIR     where to write the store; train with --training.dataset_path DIR. Without it the
+                store goes to the token cache, where train.py with the same options finds it
+                (hub datasets are then left to be streamed at training time).
 
-Hub datasets (c4, fineweb) are streamed and tokenized on the fly during training: nothing to do.
+A killed run keeps its finished shards: rerun the same command to finish the rest.
 """
 
+import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,37 +23,125 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from titanlite.config import parse_args  # noqa: E402
-from titanlite.data.cache import prepare_token_cache  # noqa: E402
-from titanlite.data.sources import build_source, local_source  # noqa: E402
+from titanlite.data.cache import cache_dir  # noqa: E402
+from titanlite.data.sources import (  # noqa: E402
+    HUB_DATASETS,
+    _pick_builder,
+    build_source,
+    expand_paths,
+    local_source,
+    stdlib_files,
+)
+from titanlite.data.store import MANIFEST, TokenStore, is_store  # noqa: E402
+from titanlite.data.store_build import build_store  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 
 
-def prepare(source, tokenizer, data_cache_dir: str) -> None:
-    start = time.perf_counter()
-    cache = prepare_token_cache(source, tokenizer, data_cache_dir)
-    seconds = time.perf_counter() - start
-    meta = cache.meta
-    how = "tokenized" if cache.built else "already cached"
-    print(f"{source.name}: {how} in {seconds:.2f} s -> {cache.path}")
-    rate = meta["num_tokens"] / max(meta["seconds"], 1e-9) / 1e6
+class Progress:
+    """One line on stderr at most every `every_s`: documents, tokens/s and, when the number of
+    documents is known, the ETA. Shards kept from an interrupted run count as done, not as speed."""
+
+    def __init__(self, expected_docs: int | None, every_s: float = 5.0):
+        self.expected, self.every_s = expected_docs, every_s
+        self.start = self.last = time.perf_counter()
+        self.docs = self.kept_docs = self.new_docs = self.new_tokens = 0
+
+    def __call__(self, docs: int, tokens: int, reused: bool) -> None:
+        self.docs += docs
+        if reused:
+            self.kept_docs += docs
+        else:
+            self.new_docs, self.new_tokens = self.new_docs + docs, self.new_tokens + tokens
+        if time.perf_counter() - self.last >= self.every_s:
+            self.last = time.perf_counter()
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        text = f"{self.docs:,} documents"
+        if self.expected:
+            text += f" of ~{self.expected:,}"
+        text += f", {self.new_tokens / seconds / 1e6:.2f} M tokens/s"
+        if self.kept_docs:
+            text += f" ({self.kept_docs:,} documents kept from an interrupted run)"
+        if self.expected and self.new_docs:
+            left = max(self.expected - self.docs, 0) * seconds / self.new_docs
+            text += f", ETA {time.strftime('%H:%M:%S', time.gmtime(left))}"
+        return text
+
+
+def expected_documents(dataset: str, dataset_path: str) -> int | None:
+    """The source's row count where it is known without tokenizing, for the ETA (an upper
+    bound: empty texts are skipped); None for a hub stream."""
+    if dataset_path:
+        files = expand_paths(dataset_path)
+        builder = _pick_builder(files)
+        if builder == "text":  # one document per file
+            return len(files)
+        import datasets  # the same map-style load the source itself reads (Arrow cache reused)
+
+        return len(
+            datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+        )
+    if dataset in HUB_DATASETS:
+        return None
+    return len(stdlib_files()[1])
+
+
+def _check_existing(out: Path, source, tokenizer) -> bool:
+    """True if `out` already holds this store; raises if it holds another one."""
+    if not (out / MANIFEST).exists():
+        return False
+    meta = TokenStore(out).meta
+    if (meta["source_fingerprint"], meta["tokenizer"]) != (source.fingerprint, tokenizer.identity):
+        raise SystemExit(
+            f"{out} already holds a store of {meta['source']} tokenized with {meta['tokenizer']}, "
+            f"not {source.name} with {tokenizer.identity}: remove it or choose another --out"
+        )
+    return True
+
+
+def prepare(source, tokenizer, out: Path, workers: int, expected: int | None) -> None:
+    if _check_existing(out, source, tokenizer):
+        print(f"{source.name}: already prepared in {out}")
+        return
+    progress = Progress(expected)
+    print(f"{source.name}: tokenizing with {workers} workers into {out}", file=sys.stderr)
+    meta = build_store(source, tokenizer, out, workers, on_shard=progress)
+    print(progress.line(), file=sys.stderr)
+    seconds = time.perf_counter() - progress.start
     print(
-        f"  tokens {meta['num_tokens']:,}  docs {meta['num_docs']:,}  "
-        f"tokenizer {meta['tokenizer']}  (built in {meta['seconds']:.2f} s, {rate:.2f} Mtok/s)"
+        f"{source.name}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens "
+        f"({meta['dtype']}, {len(meta['shards'])} shards) in {seconds:.2f} s -> {out}\n"
+        f"  tokenizer {meta['tokenizer']}"
     )
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse_args(argv)
+    ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ours.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ours.add_argument("--out", default="")
+    args, rest = ours.parse_known_args(argv)
+    if args.workers < 1:
+        raise SystemExit(f"--workers must be >= 1, got {args.workers}")
+    cfg = parse_args(rest)
     t = cfg.training
+    if is_store(t.dataset_path):
+        raise SystemExit(f"{t.dataset_path} is already prepared: train with it as dataset_path")
     tokenizer = build_tokenizer(cfg.model)
     source = build_source(t.dataset, t.dataset_path, t.dataset_text_column)
-    if source.streaming:
-        print(f"{t.dataset} is streamed from the hub and tokenized during training; nothing to do")
+    if source.streaming and not args.out:
+        print(f"{t.dataset} is streamed and tokenized during training; to prepare it, add --out")
         return 0
-    prepare(source, tokenizer, t.data_cache_dir)
+    out = (
+        Path(args.out).expanduser() if args.out else cache_dir(source, tokenizer, t.data_cache_dir)
+    )
+    expected = expected_documents(t.dataset, t.dataset_path)
+    prepare(source, tokenizer, out, args.workers, expected)
     if cfg.validation.dataset_path:
         val = local_source(cfg.validation.dataset_path, t.dataset_text_column)
-        prepare(val, tokenizer, t.data_cache_dir)
+        val_out = cache_dir(val, tokenizer, t.data_cache_dir)
+        prepare(val, tokenizer, val_out, args.workers, None)
     return 0
 
 

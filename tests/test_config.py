@@ -230,6 +230,12 @@ def test_list_items_are_checked_against_the_choices(tmp_path):
              "--activation_checkpoint.selective_ac_option", "0"],
             "'op' or a positive integer",
         ),
+        (["--training.dataset_streaming"], "set training.dataset_path"),
+        (
+            ["--training.dataset_streaming", "--training.dataset_path", "x.jsonl",
+             "--validation.enable"],
+            "needs validation.dataset_path",
+        ),
     ],
 )  # fmt: skip
 def test_options_that_contradict_each_other(argv, expected):

@@ -8,8 +8,9 @@ and never touches an older checkpoint.
 
 DCP keys: "model" and "optimizer" (from `get_state_dict`, so any FSDP/TP layout can load any other),
 "lr_scheduler", "dataloader", "train_state", "meta" (pickled blobs, so their structure may change
-between runs without confusing DCP's per-key planner) and "rng.rank{R}" (each rank's CPU RNG
-states and its own GPU's).
+between runs without confusing DCP's per-key planner), "rng.rank{R}" (each rank's CPU RNG
+states and its own GPU's) and, for a sharded data stream, "dataloader_stream.dp{R}" (dp rank R's
+stream position; its TP peers write equal ones, DCP keeps one).
 """
 
 import json
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlite.checkpoint_stream import single_process_quietly
 from titanlite.config import EXCLUDABLE
+from titanlite.data.loader import dp_degree_changed
 
 try:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -210,6 +212,12 @@ def _restore_rng(state: dict) -> None:
     torch.cuda.set_rng_state(cuda, device)
 
 
+def _stream_state(loader) -> dict | None:
+    """The loader's per-rank stream position; None when its whole state is global."""
+    stream_state_dict = getattr(loader, "stream_state_dict", None)
+    return None if stream_state_dict is None else stream_state_dict()
+
+
 def _reusable_stager():
     """Staging buffers kept across async saves: the first save allocates this rank's host copy
     of the state (pinned when it comes from a GPU, for fast device-to-host copies), later saves
@@ -239,7 +247,9 @@ class CheckpointManager:
     """Save/load the whole training state; see the module docstring for the layout.
 
     `train_state`, `dataloader` and `lr_scheduler` only need `state_dict()`/`load_state_dict()`.
-    Must be constructed on every rank (the async mode creates its own process group).
+    A `dataloader` whose state is partly per rank (a sharded stream) also has
+    `stream_state_dict()`: its dp rank's position, or None. Must be constructed on every rank (the
+    async mode creates its own process group).
     """
 
     def __init__(
@@ -340,6 +350,9 @@ class CheckpointManager:
                 "train_state": pickle.dumps(self.train_state.state_dict()),
                 "rng": {f"rank{_rank()}": pickle.dumps(_capture_rng())},
             }
+            stream = _stream_state(self.dataloader)
+            if stream is not None:
+                state["dataloader_stream"] = {f"dp{stream['dp_rank']}": pickle.dumps(stream)}
         world = dist.get_world_size() if _dist_on() else 1
         meta = {"step": step, "model_only": model_only, "dp_degree": self.dp_degree}
         state["meta"] = pickle.dumps({**meta, "world_size": world})
@@ -410,6 +423,9 @@ class CheckpointManager:
         rng_key = f"rank{_rank()}"
         if "train_state" in parts and f"rng.{rng_key}" in saved:
             state["rng"] = {rng_key: b""}
+        stream_key = self._stream_key(saved, meta) if "dataloader" in parts else None
+        if stream_key is not None:
+            state["dataloader_stream"] = {stream_key: b""}
         state = self._read(path, state)
 
         if "optimizer" in parts:
@@ -421,7 +437,10 @@ class CheckpointManager:
             set_model_state_dict(self.model, state["model"])
         if "lr_scheduler" in parts:
             self.lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]))
-        if "dataloader" in parts:
+        if "dataloader" in parts and stream_key is not None:
+            stream = pickle.loads(state["dataloader_stream"][stream_key])
+            self.dataloader.load_state_dict(pickle.loads(state["dataloader"]), stream)
+        elif "dataloader" in parts:
             self.dataloader.load_state_dict(pickle.loads(state["dataloader"]))
             if meta["dp_degree"] != self.dp_degree:
                 logger.info(
@@ -434,6 +453,18 @@ class CheckpointManager:
                 _restore_rng(pickle.loads(state["rng"][rng_key]))
         logger.info("Loaded %s from %s", ", ".join(["model", *sorted(parts)]), path)
         return meta["step"] if "train_state" in parts else 0
+
+    def _stream_key(self, saved: dict, meta: dict) -> str | None:
+        """This dp rank's key under "dataloader_stream" when the loader is a sharded stream
+        (None otherwise). Its position is per dp rank, so the dp degree must not change."""
+        mine = _stream_state(self.dataloader)
+        if mine is None:
+            return None
+        if meta["dp_degree"] != self.dp_degree:
+            raise ValueError(dp_degree_changed(meta["dp_degree"], self.dp_degree))
+        key = f"dp{mine['dp_rank']}"
+        # Absent: saved by a map-style run, whose global state the loader rejects with the fix.
+        return key if f"dataloader_stream.{key}" in saved else None
 
     @staticmethod
     def _read(path: Path, state: dict) -> dict:

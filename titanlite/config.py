@@ -97,9 +97,15 @@ class Training:
         "Text source",
         choices=("python_stdlib", "c4", "c4_test", "fineweb", "local"),
     )
-    dataset_path: str = opt("", "Local files/globs (.json/.jsonl/.parquet/.txt) for dataset=local")
+    dataset_path: str = opt("", "Local files/globs (.json/.jsonl/.parquet/.txt), or a prepared dir")
+    dataset_streaming: bool = opt(
+        False, "Stream dataset_path's files, each dp rank reading its share (hub: always)"
+    )
     dataset_text_column: str = opt("text", "Column holding the document text")
     data_cache_dir: str = opt("", "Token cache ('' = $TITANLITE_CACHE or ~/.cache/titanlite)")
+    data_build_timeout_s: float = opt(
+        3600.0, "Seconds ranks other than 0 wait for rank 0 to tokenize into the cache", ge=0
+    )
     packing: bool = opt(True, "Pack documents into full sequences instead of padding each one")
     local_batch_size: int = opt(8, "Sequences per microbatch on each data-parallel rank", ge=1)
     global_batch_size: int = opt(-1, "Sequences per step (-1 = local_batch_size x dp degree)")
@@ -435,6 +441,18 @@ def _check_combinations(cfg: JobConfig) -> None:
         raise ConfigError(
             f"lr_scheduler.decay_ratio must be in [0, 1], or -1 for all steps after warmup; "
             f"got {ratio}"
+        )
+    t, val = cfg.training, cfg.validation
+    streams_local = t.dataset_streaming and t.dataset in ("python_stdlib", "local")
+    if streams_local and not t.dataset_path:
+        raise ConfigError(
+            "--training.dataset_streaming streams local files: set training.dataset_path (hub "
+            "datasets are always streamed; python_stdlib is tokenized into the cache)"
+        )
+    if streams_local and val.enable and not val.dataset_path:
+        raise ConfigError(
+            "validation of a streamed training.dataset_path needs validation.dataset_path: a "
+            "stream has no end to hold out from"
         )
     option = ac.selective_ac_option
     if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):

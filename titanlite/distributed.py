@@ -70,12 +70,18 @@ def _init_process_group(backend: str) -> None:
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
 
 
-def destroy() -> None:
-    """Tear down the default process group if one exists (safe to call in world 1)."""
+def destroy(barrier: bool = True) -> None:
+    """Tear down the default process group if one exists (safe to call in world 1).
+
+    barrier=False is for a rank leaving on an error of its own, whose peers may never reach a
+    barrier; leaving the group to interpreter exit instead can abort the process ("terminate
+    called without an active exception") and lose its exit code.
+    """
     if dist.is_available() and dist.is_initialized():
         # No rank tears its connections down while a peer may still be talking to it: gloo
         # aborts a process whose peer vanished mid-exchange ("terminate called ...").
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

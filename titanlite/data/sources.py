@@ -7,7 +7,8 @@ Three kinds of source:
   no download. Excluded: site-packages (third-party, varies per machine), the test suites,
   idlelib, lib2to3, tkinter and turtledemo (large, repetitive or GUI boilerplate).
 - local files (`dataset_path`): .json/.jsonl/.parquet/.txt files, globs or directories, read with
-  `datasets.load_dataset`; the text lives in `dataset_text_column`.
+  `datasets.load_dataset` (map-style, or streamed with `training.dataset_streaming`); the text
+  lives in `dataset_text_column`.
 - hub datasets (`c4`, `c4_test`, `fineweb`): streamed with `datasets` (`streaming=True`), never
   downloaded whole; the loader tokenizes them on the fly.
 """
@@ -21,6 +22,9 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from titanlite.data.store import MANIFEST, is_store
 
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests"}
@@ -59,9 +63,33 @@ class TextSource:
     fingerprint: str
     streaming: bool
     _documents: Callable[[], Iterator[str]] = field(repr=False)
+    stream: "DocumentStream | None" = field(default=None, repr=False)  # set when streaming
 
     def documents(self) -> Iterator[str]:
         return self._documents()
+
+
+@dataclass(frozen=True)
+class DocumentStream:
+    """A streamed source as a `datasets.IterableDataset`, which a loader can split between ranks
+    (`datasets.distributed.split_dataset_by_node`) and stop and resume (`state_dict()`)."""
+
+    open: Callable[[], Any] = field(repr=False)  # -> a fresh IterableDataset at its start
+    text_column: str
+    where: str  # names the source in errors
+
+    def texts(self, ds) -> Iterator[str]:
+        """The non-empty texts of `ds` (this stream or a share of it), one example at a time, so
+        `ds.state_dict()` taken between two texts is the position right after the first."""
+        for example in ds:
+            if self.text_column not in example:
+                raise _missing_column(self.where, self.text_column, list(example))
+            if text := example[self.text_column]:
+                yield text
+
+
+def _streamed(name: str, fingerprint: str, stream: DocumentStream) -> TextSource:
+    return TextSource(name, fingerprint, True, lambda: stream.texts(stream.open()), stream)
 
 
 def _hash(obj) -> str:
@@ -138,17 +166,17 @@ def _pick_builder(files: list[Path]) -> str:
     return kinds.pop()
 
 
+def _missing_column(where: str, text_column: str, columns: list) -> ValueError:
+    return ValueError(
+        f"{where} has no column {text_column!r}; available columns: {columns}. "
+        "Set training.dataset_text_column to one of them."
+    )
+
+
 def _iter_texts(ds, text_column: str, where: str) -> Iterator[str]:
-    """Texts of a datasets Dataset or IterableDataset, with a clear error for a wrong column."""
-    columns = ds.column_names
-    if columns is None:  # streaming json: the schema is only known after the first row
-        first = next(iter(ds), None)
-        columns = [] if first is None else list(first)
-    if text_column not in columns:
-        raise ValueError(
-            f"{where} has no column {text_column!r}; available columns: {columns}. "
-            "Set training.dataset_text_column to one of them."
-        )
+    """Texts of a map-style datasets Dataset, with a clear error for a wrong column."""
+    if text_column not in ds.column_names:
+        raise _missing_column(where, text_column, ds.column_names)
     for batch in ds.select_columns([text_column]).iter(batch_size=1024):
         yield from (t for t in batch[text_column] if t)
 
@@ -162,19 +190,24 @@ def _load_dataset(path, name, data_files, split, streaming, **kwargs):
 
 
 def local_source(dataset_path: str, text_column: str = "text", streaming: bool = False):
-    """Local files through `datasets` (map-style: fast memory-mapped Arrow; or streaming)."""
+    """Local files through `datasets` (map-style: fast memory-mapped Arrow; or streaming, one
+    stream shard per file)."""
     files = expand_paths(dataset_path)
     builder = _pick_builder(files)
     # .txt: one document per file (datasets' default would make every LINE a document).
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     str_files = [str(f) for f in files]
 
-    def documents():
-        ds = _load_dataset(builder, None, str_files, "train", streaming, **kwargs)
-        yield from _iter_texts(ds, text_column, f"dataset_path {dataset_path!r}")
+    def open_dataset():
+        return _load_dataset(builder, None, str_files, "train", streaming, **kwargs)
 
+    name, where = f"local-{files[0].stem}", f"dataset_path {dataset_path!r}"
     fingerprint = _hash({"kind": builder, "files": _file_stats(files), "column": text_column})
-    return TextSource(f"local-{files[0].stem}", fingerprint, streaming, documents)
+    if streaming:
+        return _streamed(name, fingerprint, DocumentStream(open_dataset, text_column, where))
+    return TextSource(
+        name, fingerprint, False, lambda: _iter_texts(open_dataset(), text_column, where)
+    )
 
 
 def hub_source(dataset: str, text_column: str = "text", split: str = "train") -> TextSource:
@@ -187,25 +220,46 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
             "from; set validation.dataset_path to local files"
         )
 
-    def documents():
-        ds = _load_dataset(spec.path, spec.name, spec.data_files, hub_split, True)
-        yield from _iter_texts(ds, text_column, f"dataset {dataset!r} ({spec.path})")
+    def open_dataset():
+        return _load_dataset(spec.path, spec.name, spec.data_files, hub_split, True)
 
+    stream = DocumentStream(open_dataset, text_column, f"dataset {dataset!r} ({spec.path})")
     fingerprint = _hash({"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column})
-    return TextSource(f"{dataset}-{hub_split}", fingerprint, True, documents)
+    return _streamed(f"{dataset}-{hub_split}", fingerprint, stream)
+
+
+def prepared_source(path: str) -> TextSource:
+    """A token store (scripts/prepare_data.py) that the loader reads directly, so it gives no
+    text. Its fingerprint is the one of the text it was prepared from: a checkpoint of a run on
+    either resumes on the other (the samples are the same)."""
+    manifest = json.loads((Path(path).expanduser() / MANIFEST).read_text())
+
+    def documents():
+        raise ValueError(f"{path} holds prepared tokens, not text: train from it directly")
+
+    return TextSource(
+        f"prepared-{manifest['source']}", manifest["source_fingerprint"], False, documents
+    )
 
 
 def build_source(
-    dataset: str, dataset_path: str = "", text_column: str = "text", split: str = "train"
+    dataset: str,
+    dataset_path: str = "",
+    text_column: str = "text",
+    split: str = "train",
+    streaming: bool = False,
 ) -> TextSource:
     """The source named by the training config. A `dataset_path` with the default dataset
-    (python_stdlib) means local files: the path is the more specific request."""
+    (python_stdlib) means local files: the path is the more specific request. `streaming`
+    streams local files; hub datasets are always streamed."""
     if dataset not in DATASET_CHOICES:
         raise ValueError(f"unknown training.dataset {dataset!r}; choices: {list(DATASET_CHOICES)}")
+    if is_store(dataset_path):  # prepared by scripts/prepare_data.py: wins over the dataset name
+        return prepared_source(dataset_path)
     if dataset in HUB_DATASETS:
         return hub_source(dataset, text_column, split)
     if dataset_path:
-        return local_source(dataset_path, text_column)
+        return local_source(dataset_path, text_column, streaming)
     if dataset == "local":
         raise ValueError("training.dataset 'local' needs training.dataset_path (files or globs)")
     return python_stdlib_source()

@@ -1,0 +1,215 @@
+"""Sharded streaming (titanlite.data.loader with training.dataset_streaming): each dp rank reads
+its share of the files, the global batch does not depend on the microbatch split at a fixed dp
+degree, and a resume continues exactly where the checkpoint was taken without replaying the
+stream."""
+
+import json
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_nested_equal, read_jsonl, run_train
+from torch import nn
+
+from titanlite.checkpoint import CheckpointManager, plan_load
+from titanlite.config import Checkpoint, Training, resolve_global_batch
+from titanlite.data.loader import _STREAM_DOCS_PER_CALL, build_train_loader
+from titanlite.train_state import TrainState
+
+SEQ, G = 16, 8
+WORDS = ["alpha", "beta", "gamma", "delta", "pi", "x", "return", "def", "(", ")", "\n"]
+
+
+def write_shards(folder, num_files, docs_per_file, seed=0):
+    """`num_files` jsonl files of unique documents; returns every document, file by file."""
+    rng, docs = np.random.default_rng(seed), []
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(num_files):
+        mine = [
+            f"file {f} doc {i} " + " ".join(rng.choice(WORDS, rng.integers(3, 30)))
+            for i in range(docs_per_file)
+        ]
+        (folder / f"part-{f:02d}.jsonl").write_text(
+            "".join(json.dumps({"text": d}) + "\n" for d in mine)
+        )
+        docs += mine
+    return docs
+
+
+class CountingTokenizer:
+    """The real tokenizer, recording every document it is asked to tokenize."""
+
+    def __init__(self, tok):
+        self.tok, self.docs = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode_batch(self, texts, **kw):
+        self.docs += texts
+        return self.tok.encode_batch(texts, **kw)
+
+
+def stream_cfg(folder, **kw):
+    base = dict(dataset="local", dataset_path=str(folder / "*.jsonl"), dataset_streaming=True)
+    return Training(**{**base, "seq_len": SEQ, "local_batch_size": 4, "global_batch_size": G, **kw})
+
+
+def loader(cfg, tok, dp_rank, dp):
+    g, n = resolve_global_batch(cfg, dp)
+    return build_train_loader(
+        cfg, tok, dp_rank=dp_rank, dp_degree=dp, global_batch_size=g, num_microbatches=n,
+        vocab_size=tok.n_words,
+    )  # fmt: skip
+
+
+def global_tokens(cfg, tok, dp, lb, steps):
+    """Each step's input rows over all dp ranks and microbatches, rank-major."""
+    loaders = [loader(replace(cfg, local_batch_size=lb), tok, r, dp) for r in range(dp)]
+    out = [torch.cat([t for ld in loaders for t, _ in ld.next_step()]) for _ in range(steps)]
+    for ld in loaders:
+        ld.close()
+    return out
+
+
+@pytest.mark.parametrize("num_files", [4, 3])
+def test_each_dp_rank_tokenizes_only_its_share(tmp_path, tok, num_files):
+    """4 files over 2 ranks: each rank reads 2 files; 3 files: each reads all of them but
+    tokenizes every other document. Either way the ranks' documents are disjoint halves."""
+    docs = write_shards(tmp_path, num_files, 24)
+    cfg, shares = stream_cfg(tmp_path, packing=False), []
+    for r in range(2):
+        counting = CountingTokenizer(tok)
+        ld = loader(cfg, counting, r, 2)
+        for _ in range(len(docs) // G + 2):  # one row per document: past the end of its share
+            ld.next_step()
+        ld.close()
+        shares.append(set(counting.docs))
+    assert len(shares[0]) == len(shares[1]) == len(docs) // 2
+    assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(docs)
+    if num_files == 4:  # file-level: rank r reads files r and r + 2
+        assert shares[0] == set(docs[:24] + docs[48:72])
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_global_batch_invariant_to_split_at_fixed_dp(tmp_path, tok, packing):
+    write_shards(tmp_path, 4, 40)
+    cfg = stream_cfg(tmp_path, packing=packing)
+    for dp, splits in ((2, (4, 2, 1)), (1, (8, 1))):
+        ref = global_tokens(cfg, tok, dp, splits[0], steps=5)
+        for lb in splits[1:]:
+            got = global_tokens(cfg, tok, dp, lb, steps=5)
+            assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), (dp, lb)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(tmp_path, tok, packing):
+    """Resume at step 60 of 2 ranks' streams, run 20 steps (past a chunk boundary), resume
+    again: every step equals the uninterrupted run's. The resumed loader tokenizes at most the
+    rest of one chunk besides the rows it serves (no replay of the 60 steps before)."""
+    write_shards(tmp_path, 4, 250)
+    cfg, k, m, dp = stream_cfg(tmp_path, packing=packing), 60, 20, 2
+    per_rank = G // dp
+    for r in range(dp):
+        run = loader(cfg, tok, r, dp)
+        steps = [run.next_step() for _ in range(k + 2 * m)]
+        run.close()
+        resumed, ld = [], loader(cfg, tok, r, dp)
+        for _ in range(k):
+            ld.next_step()
+        for _ in range(2):  # resume at k, then at k + m from the resumed loader's own state
+            sd, stream = ld.state_dict(), ld.stream_state_dict()
+            ld.close()
+            assert stream["dp_rank"] == r and stream["dp_degree"] == dp
+            ld = loader(cfg, tok, r, dp)
+            ld.load_state_dict(sd, stream)
+            resumed += [ld.next_step() for _ in range(m)]
+        ld.close()
+        for a, b in zip(steps[k:], resumed, strict=True):
+            assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+        assert not torch.equal(steps[0][0][0], resumed[0][0][0])
+        counting = CountingTokenizer(tok)
+        late = loader(cfg, counting, r, dp)
+        late.load_state_dict(sd, stream)  # at step k + m
+        late.next_step()
+        late.close()  # waits for the prefetch of the step after
+        if packing:
+            assert len(stream["carry"]) > 0  # a window ended mid-document: the carry is needed
+        else:  # one document per row: the documents are countable
+            bound = _STREAM_DOCS_PER_CALL + 2 * per_rank  # the chunk's rest + the 2 steps made
+            assert len(counting.docs) <= bound < (k + m) * per_rank
+
+
+def test_changed_dp_degree_is_refused_with_the_fix(tmp_path, tok):
+    """A checkpoint of a sharded stream at dp degree 2 cannot resume at dp degree 1 (its
+    per-rank positions would repeat or skip data); the error names both ways out."""
+    write_shards(tmp_path / "data", 4, 20)
+    cfg = stream_cfg(tmp_path / "data")
+
+    def manager(dp_rank, dp):
+        model = nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        ld = loader(cfg, tok, dp_rank, dp)
+        ckpt = Checkpoint(enable=True, interval=1)
+        state = TrainState()
+        return CheckpointManager(ckpt, tmp_path, model, opt, sched, ld, state, dp_degree=dp)
+
+    saver = manager(0, 2)
+    saver.dataloader.next_step()
+    saver.model(torch.ones(4)).sum().backward()
+    saver.optimizer.step()
+    saver.save(1)
+    saver.close()
+    saver.dataloader.close()
+    same = manager(0, 2)
+    assert same.load(plan_load(same.cfg, tmp_path)) == 1
+    assert_nested_equal(same.dataloader.stream_state_dict(), saver.dataloader.stream_state_dict())
+    other = manager(0, 1)
+    with pytest.raises(ValueError, match="degree 2, this run has 1.*same data_parallel.*"
+                       "exclude_from_loading dataloader"):  # fmt: skip
+        other.load(plan_load(other.cfg, tmp_path))
+    for m in (same, other):
+        m.close()
+        m.dataloader.close()
+
+
+TINY = [
+    "--job.config_file", "debug_model.toml",
+    "--model.vocab_limit", "512",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    "--training.global_batch_size", "8",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--no-metrics.enable_tensorboard",
+    "--metrics.peak_tflops", "1",  # skips the CPU matmul calibration at start-up
+    "--checkpoint.enable",
+    "--checkpoint.interval", "5",
+    "--training.steps", "8",
+    "--training.dataset_streaming",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_train_resumes_a_stream_exactly_and_refuses_another_dp_degree(tmp_path):
+    """train.py on 2 dp ranks streaming 4 local files, checkpoint at step 5: a rerun from that
+    checkpoint gives the uninterrupted run's losses for steps 6-8, bitwise; the same checkpoint
+    under one process (dp degree 1) stops with the fix."""
+    write_shards(tmp_path / "data", 4, 150)
+    args = [*TINY, "--training.dataset_path", str(tmp_path / "data" / "*.jsonl")]
+    ref, resumed, single = tmp_path / "ref", tmp_path / "resumed", tmp_path / "single"
+    run_train([*args, "--job.dump_folder", str(ref)], nproc=2)
+    for out in (resumed, single):
+        shutil.copytree(ref / "checkpoint" / "step-5", out / "checkpoint" / "step-5")
+    run_train([*args, "--job.dump_folder", str(resumed)], nproc=2)
+    losses = {r["step"]: r["loss"] for r in read_jsonl(ref / "metrics.jsonl")}
+    again = {r["step"]: r["loss"] for r in read_jsonl(resumed / "metrics.jsonl")}
+    assert sorted(again) == [6, 7, 8] and again == {s: losses[s] for s in again}
+    proc = run_train([*args, "--job.dump_folder", str(single)], nproc=1, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "data-parallel degree 2, this run has 1" in log, log[-3000:]
+    assert "exclude_from_loading dataloader" in log

@@ -1,0 +1,100 @@
+"""scripts/prepare_data.py end to end: a worker pool, the same bytes for any pool size, resuming
+after SIGKILL, and training from the prepared directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import read_jsonl, run_train
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "prepare_data.py"
+TOKENIZER = ["--model.vocab_limit", "512"]
+
+
+def write_corpus(path: Path, num_docs: int, words_per_doc: int = 40) -> Path:
+    rng = np.random.default_rng(0)
+    vocab = np.array(["alpha", "beta", "gamma", "delta", "pi", "x", "return", "def", "(", ")"])
+    with open(path, "w") as f:
+        for i in range(num_docs):
+            text = f"doc {i} " + " ".join(rng.choice(vocab, rng.integers(1, 2 * words_per_doc)))
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def prepare_cmd(corpus: Path, out: Path, workers: int) -> list[str]:
+    return [
+        sys.executable, str(SCRIPT), "--workers", str(workers), "--out", str(out),
+        "--training.dataset_path", str(corpus), *TOKENIZER,
+    ]  # fmt: skip
+
+
+def prepare(corpus: Path, out: Path, workers: int) -> subprocess.CompletedProcess:
+    proc = subprocess.run(prepare_cmd(corpus, out, workers), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_one_and_two_workers_write_the_same_bytes(tmp_path):
+    corpus = write_corpus(tmp_path / "c.jsonl", 9000)  # 3 shards of 4,096 documents
+    one = prepare(corpus, tmp_path / "w1", 1)
+    prepare(corpus, tmp_path / "w2", 2)
+    got = files(tmp_path / "w1")
+    assert got == files(tmp_path / "w2")
+    manifest = json.loads(got["manifest.json"])
+    assert [s["num_docs"] for s in manifest["shards"]] == [4096, 4096, 808]
+    assert "9,000 documents" in one.stderr and "tokens/s" in one.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "w1", "w2"]  # no temp left
+
+
+def test_resumes_after_sigkill_keeping_finished_shards(tmp_path):
+    corpus = write_corpus(tmp_path / "c.jsonl", 16 * 4096, words_per_doc=20)  # 16 shards
+    out, partial = tmp_path / "store", tmp_path / ".store.partial"
+    proc = subprocess.Popen(prepare_cmd(corpus, out, 1), stderr=subprocess.PIPE, text=True)
+    try:
+        while not (partial / "shard-00001.idx.npy").exists():
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.02)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the main process only: its worker must exit too
+        proc.wait()
+        proc.stderr.close()
+    done = [p.name.removesuffix(".idx.npy") for p in partial.glob("shard-*.idx.npy")]
+    kept = {n: (partial / n).stat().st_ino for d in done for n in (d + ".bin", d + ".idx.npy")}
+    assert not out.exists() and "shard-00001.idx.npy" in kept
+    assert not (partial / "shard-00015.idx.npy").exists()  # it was killed mid-way
+    resumed = prepare(corpus, out, 2)
+    assert "kept from an interrupted run" in resumed.stderr and not partial.exists()
+    assert all((out / name).stat().st_ino == ino for name, ino in kept.items())
+    prepare(corpus, tmp_path / "fresh", 2)
+    assert files(out) == files(tmp_path / "fresh")
+
+
+@pytest.fixture
+def data_corpus_dir(tmp_path):
+    out = tmp_path / "prepared"
+    prepare(write_corpus(tmp_path / "c.jsonl", 2000), out, 1)
+    return out
+
+
+@pytest.mark.slow
+def test_train_from_a_prepared_dir(data_corpus_dir, tmp_path):
+    run_train([
+        "--job.config_file", "debug_model.toml", *TOKENIZER, "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--training.steps", "2",
+        "--training.mixed_precision_param", "float32", "--training.dataset_path",
+        str(data_corpus_dir), "--training.data_cache_dir", str(tmp_path / "cache"),
+        "--job.dump_folder", str(tmp_path / "out"),
+    ])  # fmt: skip
+    assert [r["step"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl")][-1] == 2
+    assert not (tmp_path / "cache").exists()  # nothing tokenized at run time
