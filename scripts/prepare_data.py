@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from titanlite.config import parse_args  # noqa: E402
+from titanlite.config import ConfigError, parse_args  # noqa: E402
 from titanlite.data.cache import cache_dir  # noqa: E402
 from titanlite.data.sources import (  # noqa: E402
     HUB_DATASETS,
@@ -118,6 +118,14 @@ def prepare(source, tokenizer, out: Path, workers: int, expected: int | None) ->
 
 
 def main(argv: list[str]) -> int:
+    try:
+        return _main(argv)
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # the user's input: one line
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     ours.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ours.add_argument("--out", default="")

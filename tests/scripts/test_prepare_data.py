@@ -80,6 +80,21 @@ def test_resumes_after_sigkill_keeping_finished_shards(tmp_path):
     assert files(out) == files(tmp_path / "fresh")
 
 
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--training.dataset_path", "/no/such.jsonl"], "matches no data files"),
+        (["--training.dataset_pat", "x"], "did you mean --training.dataset_path"),
+        (["--workers", "0"], "--workers must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, expected):
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0 and expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.fixture
 def data_corpus_dir(tmp_path):
     out = tmp_path / "prepared"
