@@ -98,3 +98,8 @@ def test_prepared_dir_with_another_tokenizer_is_refused(store, tok):
     cfg = Training(dataset_path=str(store.path), seq_len=16, local_batch_size=4)
     with pytest.raises(ValueError, match=f"{tok.identity}.*{other.identity}"):
         rows(cfg, other)
+
+
+def test_streaming_a_prepared_dir_is_refused(store):
+    with pytest.raises(ValueError, match="drop --training.dataset_streaming"):
+        build_source("python_stdlib", str(store.path), streaming=True)

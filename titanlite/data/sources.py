@@ -255,6 +255,11 @@ def build_source(
     if dataset not in DATASET_CHOICES:
         raise ValueError(f"unknown training.dataset {dataset!r}; choices: {list(DATASET_CHOICES)}")
     if is_store(dataset_path):  # prepared by scripts/prepare_data.py: wins over the dataset name
+        if streaming:
+            raise ValueError(
+                f"{dataset_path} holds prepared tokens, read directly from disk at any position: "
+                "drop --training.dataset_streaming (it streams text files)"
+            )
         return prepared_source(dataset_path)
     if dataset in HUB_DATASETS:
         return hub_source(dataset, text_column, split)
