@@ -64,7 +64,8 @@ def test_windows_and_label_shift(data, tmp_path, tok):
     assert torch.equal(tokens[:, 1:], labels[:, :-1])  # labels are the next tokens
     assert (labels != -100).all()
     cache = prepare_token_cache(build_source("local", str(data)), tok, cfg.data_cache_dir)
-    windows = {tuple(cache.token_range(i * (SEQ + 1), (i + 1) * (SEQ + 1))) for i in range(400)}
+    w = SEQ + 1
+    windows = {tuple(cache.token_range(i * w, (i + 1) * w)) for i in range(cache.num_tokens // w)}
     for t, lab in zip(tokens, labels, strict=True):  # each row is one non-overlapping window
         assert (*t.tolist(), lab[-1].item()) in windows
     ld.close()
@@ -185,9 +186,20 @@ def test_state_dict_format(data, tmp_path, tok):
     sd = ld.state_dict()
     ld.close()
     assert list(sd) == [
-        "step", "seed", "seq_len", "global_batch_size", "packing", "num_samples", "fingerprint"
+        "step", "seed", "seq_len", "global_batch_size", "packing", "num_samples", "shuffle",
+        "fingerprint",
     ]  # fmt: skip
     assert sd["step"] == 0 and sd["global_batch_size"] == G and sd["num_samples"] > G
+
+
+def test_a_state_from_another_shuffle_is_refused(data, tmp_path, tok):
+    """Checkpoints from before the per-position shuffle hold no "shuffle": their step would
+    name other rows, so resuming them must stop with the fix, not continue on other data."""
+    ld = train_loader(tcfg(data, tmp_path), tok)
+    old = {k: v for k, v in ld.state_dict().items() if k != "shuffle"}
+    with pytest.raises(ValueError, match="shuffle: checkpoint None.*exclude_from_loading"):
+        ld.load_state_dict(old)
+    ld.close()
 
 
 def test_collate_rejects_ids_outside_the_vocabulary():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from titanlite.config import Training, resolve_global_batch
+from titanlite.data import sources
 from titanlite.data.loader import _cached_samples, build_train_loader
 from titanlite.data.sources import build_source
 from titanlite.data.store import TokenStore, token_dtype
@@ -61,12 +62,30 @@ def test_smallest_dtype_for_the_vocabulary(data, tmp_path, tok):
         assert TokenStore(tmp_path / name).document(5).dtype == dtype
 
 
+def same_shards(a, b):
+    names = sorted(p.name for p in a.iterdir() if p.name.startswith("shard-"))
+    assert names and names == sorted(p.name for p in b.iterdir() if p.name.startswith("shard-"))
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
 def test_worker_pool_writes_the_same_bytes(data, tmp_path, tok, store):
     build_store(build_source("local", str(data)), tok, tmp_path / "pool", 2, docs_per_shard=SHARD)
-    names = sorted(p.name for p in store.path.iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "pool").iterdir())
-    for name in names:
-        assert (store.path / name).read_bytes() == (tmp_path / "pool" / name).read_bytes(), name
+    same_shards(store.path, tmp_path / "pool")
+    assert (store.path / "manifest.json").read_bytes() == (
+        tmp_path / "pool/manifest.json"
+    ).read_bytes()
+
+
+def test_a_streamed_hub_source_is_prepared_by_the_pool(data, tmp_path, tok, store, monkeypatch):
+    """A hub dataset (here its code path over the same local file) is read once, in stream
+    order, by the main process and tokenized by the workers into the same shards."""
+    spec = sources.HubDataset("json", None, "train", "train", data_files=[str(data)])
+    monkeypatch.setitem(sources.HUB_DATASETS, "c4", spec)
+    hub = build_source("c4")
+    assert hub.streaming
+    build_store(hub, tok, tmp_path / "hub", 2, docs_per_shard=SHARD)
+    same_shards(store.path, tmp_path / "hub")
 
 
 def rows(cfg, tok, steps=3):

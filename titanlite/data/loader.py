@@ -2,7 +2,8 @@
 
 A sample is a window of seq_len + 1 tokens (packing) or one document cut to seq_len + 1 tokens (no
 packing), read from the token cache (`titanlite.data.cache`). Training (`TrainLoader`): step k's
-global batch is samples perm[k*G : (k+1)*G] of a per-epoch permutation seeded by (seed, epoch);
+global batch is samples perm[k*G : (k+1)*G] of a per-epoch permutation seeded by (seed, epoch)
+(`titanlite.data.shuffle`, evaluated per sample read);
 dp rank r takes rows [r*G/D, (r+1)*G/D) and cuts them into microbatches. So the rows of step k
 are the same for every (dp_degree, local_batch_size) with the same G, and the state is just the
 global step. Validation (`ValidationLoader`): every sample of the split once, in order.
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from titanlite.config import Training, Validation
+from titanlite.data import shuffle
 from titanlite.data.cache import encode_documents, prepare_token_cache
 from titanlite.data.sources import TextSource, build_source, local_source
 from titanlite.data.store import TokenStore, is_store, open_prepared
@@ -95,23 +97,20 @@ def collate(rows: list[np.ndarray], seq_len: int, pad: int, vocab_size: int) -> 
 
 
 class _PermutedOrder:
-    """Global sample positions -> cached samples, a fresh permutation each epoch."""
+    """Global sample positions -> cached samples, a fresh permutation each epoch (computed per
+    position, titanlite.data.shuffle: no per-sample table, whatever the corpus size)."""
 
     def __init__(self, get, lo: int, hi: int, seed: int):
         self.get, self.lo, self.n, self.seed = get, lo, hi - lo, seed
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # a batch spans at most two epochs
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return self._perms[epoch]
 
     def take(self, start: int, stop: int) -> list[np.ndarray]:
-        return [
-            self.get(self.lo + int(self._perm(p // self.n)[p % self.n])) for p in range(start, stop)
-        ]
+        positions = np.arange(start, stop, dtype=np.int64)
+        epochs, within = np.divmod(positions, self.n)
+        samples = np.empty_like(positions)
+        for epoch in np.unique(epochs):  # a batch spans at most two epochs
+            at = epochs == epoch
+            samples[at] = shuffle.permutation(self.n, self.seed, int(epoch))(within[at])
+        return [self.get(self.lo + int(i)) for i in samples]
 
 
 def _stream_start() -> dict:
@@ -207,7 +206,8 @@ class TrainLoader:
         self.order, self.make_batch = order, make_batch
         self.dp_rank, self.dp_degree, self.local_batch_size = dp_rank, dp_degree, local_batch_size
         self.num_microbatches = num_microbatches
-        # seed, seq_len, global_batch_size, packing, num_samples, fingerprint: saved with the step
+        # seed, seq_len, global_batch_size, packing, num_samples, shuffle, fingerprint: saved
+        # with the step
         self._order_state = order_state
         self.global_batch_size = order_state["global_batch_size"]
         self.num_samples = order_state["num_samples"]  # -1 for a stream
@@ -259,7 +259,7 @@ class TrainLoader:
     def load_state_dict(self, sd: dict, stream: dict | None = None) -> None:
         """Resume at `sd` (global); a sharded stream also needs its `stream_state_dict()`."""
         mine = self.state_dict()
-        keys = ("seed", "seq_len", "global_batch_size", "packing", "num_samples")
+        keys = ("seed", "seq_len", "global_batch_size", "packing", "num_samples", "shuffle")
         bad = [
             f"{k}: checkpoint {sd.get(k)!r} vs now {mine[k]!r}"
             for k in keys
@@ -443,6 +443,7 @@ def build_train_loader(
         global_batch_size=global_batch_size,
         packing=t.packing,
         num_samples=num_samples,
+        shuffle="stream order" if source.streaming else shuffle.NAME,
         fingerprint=source.fingerprint,
     )
     return TrainLoader(
