@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from titanlite.config import parse_args  # noqa: E402
+from titanlite.distributed import destroy  # noqa: E402
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
 from titanlite.models.llama.model import Transformer  # noqa: E402
 
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
         + ", ".join(f"{x:.3f}" for x in ratios)
         + f"); ratio of medians {ours / bare:.3f}"
     )
+    trainer.close()
+    destroy()  # the one-rank process group: left to interpreter exit it can abort
     return 0
 
 

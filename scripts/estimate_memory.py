@@ -85,6 +85,7 @@ def measure(cfg, steps: int) -> float:
     for _ in range(steps):
         trainer.train_step()
     trainer.close()
+    train.destroy()  # the one-rank process group: left to interpreter exit it can abort
     return _rss_bytes("VmHWM") - baseline
 
 
