@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import torchrun_script
 
+from titanlite.distributed import destroy
 from titanlite.models.llama.args import ModelArgs
 from titanlite.parallel_dims import ParallelDims
 
@@ -85,7 +86,7 @@ def worker(out_path):
         }
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    destroy()  # barrier first: gloo aborts a rank whose peer leaves mid-exchange
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 from conftest import torchrun_script
 from torch.distributed.tensor import DTensor
 
-from titanlite.distributed import clip_grad_norm_, dist_sum
+from titanlite.distributed import clip_grad_norm_, destroy, dist_sum
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.parallelize import (
@@ -148,7 +148,7 @@ def worker(out_path):
     results = {name: run_layout(*LAYOUTS[name], ref_state, ref.rope_cache) for name in LAYOUTS}
     if torch.distributed.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    torch.distributed.destroy_process_group()
+    destroy()  # barrier first: gloo aborts a rank whose peer leaves mid-exchange
 
 
 @pytest.fixture(scope="module")
