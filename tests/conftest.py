@@ -32,6 +32,22 @@ def offline_env(tmp_path_factory):
     os.environ.update(saved)
 
 
+# The debug model shrunk for seconds-long train.py runs: a global batch of 8 x 32 tokens, fp32,
+# a metrics line every step.
+TINY_TRAIN = [
+    "--job.config_file", "debug_model.toml",
+    "--model.vocab_limit", "512",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    "--training.global_batch_size", "8",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--no-metrics.enable_tensorboard",
+    "--metrics.peak_tflops", "1",  # skips the CPU matmul calibration at start-up
+]  # fmt: skip
+
+
 @pytest.fixture(autouse=True)
 def no_process_group_left():
     """Each in-process test starts without a default process group: a world-1 Trainer or

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_nested_equal, read_jsonl, run_train
+from conftest import REPO, TINY_TRAIN, assert_nested_equal, read_jsonl, run_train
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -27,16 +27,7 @@ from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load, 
 from titanlite.config import Checkpoint
 
 TINY = [
-    "--job.config_file", "debug_model.toml",
-    "--model.vocab_limit", "512",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--training.global_batch_size", "8",
-    "--training.mixed_precision_param", "float32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-    "--no-metrics.enable_tensorboard",
-    "--metrics.peak_tflops", "1",  # skips the CPU matmul calibration at start-up
+    *TINY_TRAIN,
     "--checkpoint.enable",
     "--checkpoint.interval", "6",
     "--training.steps", "12",

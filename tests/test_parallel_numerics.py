@@ -80,16 +80,22 @@ def test_layout_matches_one_process(layout, reference, tmp_path, train_runner):
 
 def test_bf16_fsdp_matches_one_process_bf16(tmp_path, train_runner):
     """bf16 is FSDP's policy in every layout (a one-rank mesh in one process), so one process and
-    FSDP 4 round alike: measured 7e-8 apart at step 1, bitwise equal after. One process under
-    autocast (the old mechanism) was 8.9e-5 / 1.5e-6 / 5.4e-5 / 1.5e-4 off over the 4 steps."""
+    FSDP 4 round alike: measured 7e-8 apart at step 1, bitwise equal after, on an AVX2 CPU.
+
+    Other CPUs may pick other bf16 kernels for 8 rows than for 2, flipping the last bf16 bit of a
+    few activations; that is the kind of difference TP's bf16 partial sums make, measured at 8e-6
+    (step 1) and 2e-5 (later steps) in tests/models/llama/test_parallelize.py, so the bounds are
+    2.5x and 5x those. One process under autocast (the old mechanism) was 8.9e-5 / 1.5e-6 / 5.4e-5
+    / 1.5e-4 off over the 4 steps and fails both."""
     bf16 = [*BASE, "--training.mixed_precision_param", "bfloat16", "--training.steps", "4"]
     train_runner([*bf16, "--job.dump_folder", str(tmp_path / "one")])
     train_runner([*bf16, *LAYOUTS["fsdp4"], "--job.dump_folder", str(tmp_path / "fsdp")], nproc=4)
     got, ref = curves(tmp_path / "fsdp"), curves(tmp_path / "one")
     assert [s for s, _, _ in got] == [s for s, _, _ in ref] == [1, 2, 3, 4]
+    assert got[0][1] == pytest.approx(ref[0][1], rel=2e-5)  # the same weights
     for (_, loss, norm), (_, ref_loss, ref_norm) in zip(got, ref):
-        assert loss == pytest.approx(ref_loss, rel=1e-6)
-        assert norm == pytest.approx(ref_norm, rel=1e-6)
+        assert loss == pytest.approx(ref_loss, rel=1e-4)
+        assert norm == pytest.approx(ref_norm, rel=1e-4)
 
 
 def test_seed_checkpoint_then_fsdp_x_tp(reference, tmp_path, train_runner):

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import assert_nested_equal, read_jsonl, run_train
+from conftest import TINY_TRAIN, assert_nested_equal, read_jsonl, run_train
 from torch import nn
 
 from titanlite.checkpoint import CheckpointManager, plan_load
@@ -177,16 +177,7 @@ def test_changed_dp_degree_is_refused_with_the_fix(tmp_path, tok):
 
 
 TINY = [
-    "--job.config_file", "debug_model.toml",
-    "--model.vocab_limit", "512",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--training.global_batch_size", "8",
-    "--training.mixed_precision_param", "float32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-    "--no-metrics.enable_tensorboard",
-    "--metrics.peak_tflops", "1",  # skips the CPU matmul calibration at start-up
+    *TINY_TRAIN,
     "--checkpoint.enable",
     "--checkpoint.interval", "5",
     "--training.steps", "8",

@@ -37,7 +37,6 @@ from titanlite.data.store import (
 
 logger = logging.getLogger(__name__)
 
-_ENCODE_BATCH = 256  # documents per encode_batch call in-process: enough to keep all cores busy
 # Called once per shard with (documents, tokens, reused): reused = kept from an earlier run.
 OnShard = Callable[[int, int, bool], None]
 
@@ -64,9 +63,7 @@ def _worker_shard(folder: Path, k: int, texts: list[str], dtype) -> tuple[int, .
 
 
 def _local_shard(tokenizer, folder: Path, k: int, texts: list[str], dtype) -> tuple[int, ...]:
-    docs = []
-    for i in range(0, len(texts), _ENCODE_BATCH):
-        docs += tokenizer.encode_batch(texts[i : i + _ENCODE_BATCH], bos=True, eos=True)
+    docs = tokenizer.encode_batch(texts, bos=True, eos=True)  # on this rank's thread pool
     return k, len(texts), write_shard(folder, k, docs, dtype)
 
 
