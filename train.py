@@ -149,10 +149,12 @@ class Validator:
     """Every validation.freq steps and at the last step (when enabled): the token-weighted loss
     over the held-out split, every batch counted once, never a mean of batch means."""
 
-    def __init__(self, loader, validation_cfg, last_step, model_context, dp_mesh, device):
+    def __init__(self, loader, validation_cfg, last_step, model_context, parallel_dims, device):
         self.schedule = Every(validation_cfg.freq, last_step, enabled=loader is not None)
         self.loader, self.steps = loader, validation_cfg.steps
-        self.model_context, self.dp_mesh, self.device = model_context, dp_mesh, device
+        self.model_context, self.device = model_context, device
+        # Tokens are counted on whole sequences (dp ranks); loss sums come from CP's parts too.
+        self.dp_mesh, self.loss_mesh = parallel_dims.dp_mesh, parallel_dims.loss_mesh
 
     def due(self, step: int) -> bool:
         return self.schedule.due(step)
@@ -170,7 +172,7 @@ class Validator:
         model.train()
         if hasattr(model, "reshard"):  # FSDP's root stays unsharded after a no-grad forward
             model.reshard()
-        val_loss = (dist_sum(loss_sum, self.dp_mesh) / dist_sum(tokens, self.dp_mesh)).item()
+        val_loss = (dist_sum(loss_sum, self.loss_mesh) / dist_sum(tokens, self.dp_mesh)).item()
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
 
@@ -188,7 +190,7 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     p, t = cfg.parallelism, cfg.training
     pd = ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree, world_size=world_size,
+        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, world_size=world_size,
     )  # fmt: skip
     tokenizer = build_tokenizer(cfg.model)
     args = model_args_for(cfg, tokenizer)
@@ -277,7 +279,7 @@ class Trainer:
         )  # fmt: skip
         self.preemption = Preemption()
         self.validator = Validator(
-            val_loader, cfg.validation, t.steps, self.model_context, pd.dp_mesh, self.device
+            val_loader, cfg.validation, t.steps, self.model_context, pd, self.device
         )
         self.log_schedule = Every(cfg.metrics.log_freq, t.steps, first=True)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_log_rank)
@@ -363,7 +365,7 @@ class Trainer:
 
     def on_nonfinite(self, loss_sum, tokens, grad_norm):
         step = self.state.step + 1  # the step being taken, numbered as in the logs
-        loss = dist_sum(loss_sum, self.parallel_dims.dp_mesh) / tokens
+        loss = dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens
         msg = (
             f"non-finite values at step {step}: loss {loss.item():.6g}, "
             f"grad norm {grad_norm.item():.6g}; the optimizer step was not taken"
@@ -386,7 +388,7 @@ class Trainer:
             tokens_per_device * window.steps, window.seconds, self.flops_per_token, self.peak_flops
         )
         values.update(
-            loss=dist_sum(out.loss_sum, self.parallel_dims.dp_mesh) / out.tokens,
+            loss=dist_sum(out.loss_sum, self.parallel_dims.loss_mesh) / out.tokens,
             grad_norm=out.grad_norm,
             lr=self.scheduler.get_last_lr()[0],
             **self.memory.log_values(),

@@ -3,6 +3,7 @@
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,8 +14,11 @@ from titanlite.distributed import destroy
 from titanlite.models.llama.args import ModelArgs
 from titanlite.parallel_dims import ParallelDims
 
-# (dp_replicate, dp_shard, tp) layouts of 4 ranks checked in the worker.
-LAYOUTS = [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4)]
+# (dp_replicate, dp_shard, cp, tp) layouts of 4 ranks checked in the worker.
+LAYOUTS = [
+    (1, 4, 1, 1), (2, 2, 1, 1), (4, 1, 1, 1), (1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 1, 4),
+    (1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 2, 2), (1, 1, 4, 1),
+]  # fmt: skip
 
 
 def test_infers_shard_degree():
@@ -34,7 +38,7 @@ def test_product_mismatch_names_every_degree():
         ParallelDims(dp_replicate=2, dp_shard=3, tp=1, world_size=4)
     msg = str(e.value)
     assert "data_parallel_replicate_degree (2) x data_parallel_shard_degree (3)" in msg
-    assert "tensor_parallel_degree (1) = 6, but the world size is 4" in msg
+    assert "context_parallel_degree (1) x tensor_parallel_degree (1) = 6, but the world" in msg
 
 
 @pytest.mark.parametrize(
@@ -44,11 +48,15 @@ def test_product_mismatch_names_every_degree():
         ((1, -1, 0), "tensor_parallel_degree must be >= 1"),
         ((1, 0, 1), "data_parallel_shard_degree must be >= 1 or -1"),
         ((1, -1, 3), "cannot infer data_parallel_shard_degree"),
+        ((1, -1, 1, 0), "context_parallel_degree must be >= 1"),
+        ((1, -1, 1, 3), r"context_parallel_degree \(3\) x tensor_parallel_degree \(1\) = 3;"),
+        ((1, 2, 2, 2), r"shard_degree \(2\) x context_parallel_degree \(2\) x .* = 8, but the"),
     ],
 )
 def test_bad_degrees(degrees, match):
+    dp_replicate, dp_shard, tp, *cp = degrees
     with pytest.raises(ValueError, match=match):
-        ParallelDims(*degrees, world_size=4)
+        ParallelDims(dp_replicate, dp_shard, tp, world_size=4, cp=cp[0] if cp else 1)
 
 
 ARGS = ModelArgs(dim=256, n_layers=2, n_heads=16, n_kv_heads=4, vocab_size=512)
@@ -58,6 +66,14 @@ def test_tp_must_divide_heads_and_kv_heads():
     ParallelDims(1, 1, 4, 4).validate_model(ARGS)
     with pytest.raises(ValueError, match=r"n_heads \(16\) and n_kv_heads \(4\)"):
         ParallelDims(1, 1, 8, 8).validate_model(ARGS)
+
+
+def test_cp_needs_two_chunks_per_rank():
+    args = ModelArgs(dim=256, n_layers=2, n_heads=16, n_kv_heads=4, vocab_size=512, max_seq_len=36)
+    ParallelDims(1, 1, 1, 3, cp=3).validate_model(args)  # 6 chunks of 6 tokens
+    ParallelDims(1, 1, 1, 1).validate_model(replace(args, max_seq_len=35))  # no CP: any length
+    with pytest.raises(ValueError, match=r"seq_len \(36\) must be divisible by 2 x cont.* \(8\)"):
+        ParallelDims(1, 1, 1, 4, cp=4).validate_model(args)
 
 
 def test_loss_parallel_needs_tp():
@@ -73,14 +89,16 @@ def worker(out_path):
 
     dist.init_process_group("gloo")
     results = {}
-    for layout in LAYOUTS:
-        pd = ParallelDims(*layout, world_size=dist.get_world_size())
+    for dp_replicate, dp_shard, cp, tp in LAYOUTS:
+        pd = ParallelDims(dp_replicate, dp_shard, tp, world_size=dist.get_world_size(), cp=cp)
         pd.build_mesh("cpu")
-        dp_ranks = [None] * 4
-        dist.all_gather_object(dp_ranks, pd.dp_rank)
-        results[str(layout)] = {
-            "dp_ranks": dp_ranks,
+        per_rank = [None] * 4
+        dist.all_gather_object(per_rank, (pd.dp_rank, pd.counts_step_tokens))
+        results[str((dp_replicate, dp_shard, cp, tp))] = {
+            "dp_ranks": [dp_rank for dp_rank, _ in per_rank],
+            "counting": [rank for rank, (_, counts) in enumerate(per_rank) if counts],
             "dp_size": pd.dp_mesh.size() if pd.dp_mesh is not None else None,
+            "loss_size": pd.loss_mesh.size() if pd.loss_mesh is not None else None,
             "fsdp_shape": list(pd.fsdp_mesh.shape),
             "tp_size": pd.tp_mesh.size() if pd.tp_mesh is not None else None,
         }
@@ -94,20 +112,35 @@ def test_meshes_on_four_ranks(tmp_path):
     out = tmp_path / "meshes.json"
     torchrun_script(__file__, out)
     res = json.loads(out.read_text())
-    # Row-major (dp_replicate, dp_shard, tp): TP neighbours share a dp rank.
-    assert res["(1, 4, 1)"] == {
-        "dp_ranks": [0, 1, 2, 3], "dp_size": 4, "fsdp_shape": [4], "tp_size": None
+    # Row-major (dp_replicate, dp_shard, cp, tp): TP neighbours share a dp rank.
+    assert res["(1, 4, 1, 1)"] == {
+        "dp_ranks": [0, 1, 2, 3], "counting": [0, 1, 2, 3], "dp_size": 4, "loss_size": 4,
+        "fsdp_shape": [4], "tp_size": None,
     }  # fmt: skip
-    assert res["(2, 2, 1)"]["fsdp_shape"] == [2, 2]  # HSDP: (replicate, shard)
-    assert res["(4, 1, 1)"]["fsdp_shape"] == [4, 1]  # pure replication via HSDP, shard group 1
-    assert res["(1, 2, 2)"] == {
-        "dp_ranks": [0, 0, 1, 1], "dp_size": 2, "fsdp_shape": [2], "tp_size": 2
+    assert res["(2, 2, 1, 1)"]["fsdp_shape"] == [2, 2]  # HSDP: (replicate, shard)
+    assert res["(4, 1, 1, 1)"]["fsdp_shape"] == [4, 1]  # pure replication via HSDP, shard group 1
+    assert res["(1, 2, 1, 2)"] == {
+        "dp_ranks": [0, 0, 1, 1], "counting": [0, 2], "dp_size": 2, "loss_size": 2,
+        "fsdp_shape": [2], "tp_size": 2,
     }  # fmt: skip
-    assert res["(2, 1, 2)"]["dp_ranks"] == [0, 0, 1, 1]
+    assert res["(2, 1, 1, 2)"]["dp_ranks"] == [0, 0, 1, 1]
     # No data parallelism: FSDP (mixed precision only) runs over a one-rank shard mesh.
-    assert res["(1, 1, 4)"] == {
-        "dp_ranks": [0, 0, 0, 0], "dp_size": None, "fsdp_shape": [1], "tp_size": 4
+    assert res["(1, 1, 1, 4)"] == {
+        "dp_ranks": [0, 0, 0, 0], "counting": [0], "dp_size": None, "loss_size": None,
+        "fsdp_shape": [1], "tp_size": 4,
     }  # fmt: skip
+    # CP peers read the same samples (one counts their labels), sum their loss parts, and FSDP
+    # shards over dp_shard x cp.
+    assert res["(1, 2, 2, 1)"] == {
+        "dp_ranks": [0, 0, 1, 1], "counting": [0, 2], "dp_size": 2, "loss_size": 4,
+        "fsdp_shape": [4], "tp_size": None,
+    }  # fmt: skip
+    assert res["(2, 1, 2, 1)"]["fsdp_shape"] == [2, 2]  # HSDP: (replicate, shard x cp)
+    assert res["(1, 1, 2, 2)"] == {
+        "dp_ranks": [0, 0, 0, 0], "counting": [0], "dp_size": None, "loss_size": 2,
+        "fsdp_shape": [2], "tp_size": 2,
+    }  # fmt: skip
+    assert res["(1, 1, 4, 1)"]["fsdp_shape"] == [4]
 
 
 if __name__ == "__main__":

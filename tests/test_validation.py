@@ -75,14 +75,22 @@ def test_val_metrics_on_the_right_steps(one_process):
     assert val[4]["val_loss"] < val[2]["val_loss"]
 
 
-def test_fsdp2_val_loss_matches_one_process(args, one_process, tmp_path):
-    run_train([*args, "--job.dump_folder", str(tmp_path)], nproc=2)
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--parallelism.context_parallel_degree", "2"]],
+    ids=["fsdp2", "cp2"],
+)
+def test_two_ranks_match_one_process(layout, args, one_process, tmp_path):
+    """Ragged documents, 4 (1 process, CP 2) or 2 (FSDP 2) microbatches per step: training and
+    validation losses equal one process's (CP: every sequence's labels split over 2 ranks)."""
+    run_train([*args, *layout, "--job.dump_folder", str(tmp_path)], nproc=2)
     ref, got = read_jsonl(one_process / "metrics.jsonl"), read_jsonl(tmp_path / "metrics.jsonl")
     ref_val, got_val = val_rows(ref), val_rows(got)
     assert sorted(got_val) == sorted(ref_val) == [2, 4]
-    worst = max(abs(got_val[s]["val_loss"] / ref_val[s]["val_loss"] - 1) for s in ref_val)
-    print(f"\nval_loss FSDP 2 vs 1 process: worst relative deviation {worst:.2e}")
-    assert worst <= 1e-5
+    worst_val = max(abs(got_val[s]["val_loss"] / ref_val[s]["val_loss"] - 1) for s in ref_val)
+    worst = max(abs(g["loss"] / r["loss"] - 1) for g, r in zip(got, ref, strict=True))
+    print(f"\nvs 1 process: worst relative deviation loss {worst:.2e}, val_loss {worst_val:.2e}")
+    assert worst <= 1e-5 and worst_val <= 1e-5
 
 
 def test_val_loss_is_token_weighted(args, one_process):

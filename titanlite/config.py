@@ -131,10 +131,11 @@ class Training:
 
 @dataclass
 class Parallelism:
-    """Degrees of data and tensor parallelism."""
+    """Degrees of data, context and tensor parallelism."""
 
     data_parallel_replicate_degree: int = opt(1, "Replicated (DDP-style) data-parallel degree")
     data_parallel_shard_degree: int = opt(-1, "FSDP degree (-1 = all ranks left over)")
+    context_parallel_degree: int = opt(1, "Context-parallel degree: ranks sharing each sequence")
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree")
     enable_loss_parallel: bool = opt(False, "Compute the loss on vocab-sharded logits under TP")
     fsdp_reshard_after_forward: str = opt(

@@ -1,58 +1,67 @@
 """Parallel degrees, their validation, and the named world DeviceMesh.
 
-Ranks are laid out row-major over ("dp_replicate", "dp_shard", "tp"): TP neighbours are adjacent
-ranks (same host, fastest links), replicas are the farthest apart.
+Ranks are laid out row-major over ("dp_replicate", "dp_shard", "cp", "tp"): TP neighbours are
+adjacent ranks (same host, fastest links), then CP peers (one all-gather of K/V per layer),
+replicas are the farthest apart.
 """
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+def _spelled(degrees) -> str:
+    return " x ".join(f"{name} ({value})" for name, value in degrees)
 
 
 class ParallelDims:
-    """Degrees of data (replicate x shard) and tensor parallelism for one job.
+    """Degrees of data (replicate x shard), context and tensor parallelism for one job.
 
     dp_shard = -1 takes whatever the other degrees leave of the world. Errors name the config
     keys so the user knows what to change.
     """
 
-    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int):
-        for name, value in (
+    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1):
+        fixed = (
             ("data_parallel_replicate_degree", dp_replicate),
+            ("context_parallel_degree", cp),
             ("tensor_parallel_degree", tp),
-        ):
+        )
+        for name, value in fixed:
             if value < 1:
                 raise ValueError(f"parallelism.{name} must be >= 1, got {value}")
+        others = dp_replicate * cp * tp
         if dp_shard == -1:
-            if world_size % (dp_replicate * tp):
+            if world_size % others:
                 raise ValueError(
                     f"cannot infer data_parallel_shard_degree: world size {world_size} is not "
-                    f"divisible by data_parallel_replicate_degree ({dp_replicate}) x "
-                    f"tensor_parallel_degree ({tp}) = {dp_replicate * tp}; choose degrees whose "
-                    f"product divides {world_size}"
+                    f"divisible by {_spelled(fixed)} = {others}; choose degrees whose product "
+                    f"divides {world_size}"
                 )
-            dp_shard = world_size // (dp_replicate * tp)
+            dp_shard = world_size // others
         elif dp_shard < 1:
             raise ValueError(
                 f"parallelism.data_parallel_shard_degree must be >= 1 or -1 (infer), got {dp_shard}"
             )
-        product = dp_replicate * dp_shard * tp
+        product = dp_shard * others
         if product != world_size:
+            degrees = (*fixed[:1], ("data_parallel_shard_degree", dp_shard), *fixed[1:])
             raise ValueError(
-                f"data_parallel_replicate_degree ({dp_replicate}) x data_parallel_shard_degree "
-                f"({dp_shard}) x tensor_parallel_degree ({tp}) = {product}, but the world size is "
-                f"{world_size}; make the product equal the number of processes (or set "
-                f"data_parallel_shard_degree = -1 to infer it)"
+                f"{_spelled(degrees)} = {product}, but the world size is {world_size}; make the "
+                f"product equal the number of processes (or set data_parallel_shard_degree = -1 "
+                f"to infer it)"
             )
-        self.dp_replicate, self.dp_shard, self.tp = dp_replicate, dp_shard, tp
+        self.dp_replicate, self.dp_shard, self.cp, self.tp = dp_replicate, dp_shard, cp, tp
         self.world_size = world_size
         self.world_mesh: DeviceMesh | None = None  # set by build_mesh
         self._dp_mesh: DeviceMesh | None = None
+        self._loss_mesh: DeviceMesh | None = None
+        self._fsdp_mesh: DeviceMesh | None = None
 
     def __repr__(self) -> str:
         return (
             f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, "
-            f"tp={self.tp}, world_size={self.world_size})"
+            f"cp={self.cp}, tp={self.tp}, world_size={self.world_size})"
         )
 
     @property
@@ -68,9 +77,14 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
         # Pure replication is run through FSDP's HSDP path with a shard group of 1 (DDP semantics).
-        return self.dp_enabled
+        # CP peers hold the same weights and sum their gradients: FSDP shards over them too.
+        return self.dp_enabled or self.cp_enabled
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -93,6 +107,13 @@ class ParallelDims:
                 raise ValueError(
                     f"tensor_parallel_degree ({self.tp}) must divide the model {name} ({size})"
                 )
+        seq_len = model_args.max_seq_len
+        if self.cp_enabled and seq_len % (2 * self.cp):
+            raise ValueError(
+                f"training.seq_len ({seq_len}) must be divisible by 2 x context_parallel_degree "
+                f"({2 * self.cp}): each CP rank takes two of 2 x CP equal chunks of every "
+                f"sequence; pick a seq_len that is a multiple of {2 * self.cp}"
+            )
         loss_parallel = bool(parallelism_cfg and parallelism_cfg.enable_loss_parallel)
         if loss_parallel and not self.tp_enabled:
             raise ValueError(
@@ -101,18 +122,25 @@ class ParallelDims:
             )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The world mesh (all three named dims, size-1 ones kept), world 1 included.
+        """The world mesh (all four named dims, size-1 ones kept), world 1 included, and the
+        flattened meshes the trainer reduces over.
 
         Keeping size-1 dims makes every slice below valid for any layout, at the cost of a few
-        unused one-rank groups.
+        unused one-rank groups. _flatten is private but the only way (torch 2.11-2.13) to get one
+        1-D group over several dims.
         """
-        shape = (self.dp_replicate, self.dp_shard, self.tp)
-        self.world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        mesh = self.world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         if self.dp_enabled:
-            # _flatten is private but the only way (torch 2.11-2.13) to get one 1-D group over
-            # both dp dims for the loader rank and the loss/metric all-reduces.
-            self._dp_mesh = self.world_mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-        return self.world_mesh
+            self._dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        if self.dp_enabled or self.cp_enabled:
+            self._loss_mesh = mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
+        self._fsdp_mesh = mesh["dp_shard"]
+        if self.cp_enabled:
+            self._fsdp_mesh = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        if self.hsdp_enabled:
+            self._fsdp_mesh = mesh[("dp_replicate", self._fsdp_mesh.mesh_dim_names[0])]
+        return mesh
 
     def _mesh(self) -> DeviceMesh:
         assert self.world_mesh is not None, "call build_mesh() first"
@@ -120,8 +148,15 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
-        """Flattened 1-D data-parallel mesh ("dp"), or None when there is no data parallelism."""
+        """Flattened 1-D data-parallel mesh ("dp"), or None when there is no data parallelism.
+        Ranks of one dp index read the same samples (CP and TP peers)."""
         return self._dp_mesh
+
+    @property
+    def loss_mesh(self) -> DeviceMesh | None:
+        """The ranks whose loss sums add up to the step's loss: dp x cp (each CP rank holds a part
+        of every sequence), flattened; None when there is neither."""
+        return self._loss_mesh
 
     @property
     def dp_rank(self) -> int:
@@ -129,18 +164,22 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """Mesh for fully_shard: 1-D dp_shard (one rank when there is no data parallelism and
-        FSDP only does mixed precision), or 2-D (dp_replicate, dp_shard) for HSDP."""
-        if self.hsdp_enabled:
-            return self._mesh()[("dp_replicate", "dp_shard")]
-        return self._mesh()["dp_shard"]
+        """Mesh for fully_shard: 1-D over dp_shard x cp (one rank when there is neither and FSDP
+        only does mixed precision), or 2-D with dp_replicate for HSDP."""
+        assert self._fsdp_mesh is not None, "call build_mesh() first"
+        return self._fsdp_mesh
 
     @property
     def counts_step_tokens(self) -> bool:
-        """Whether this rank adds its labels to the step's token count: TP peers hold the same
-        labels, so only the first of each TP group does."""
-        return not self.tp_enabled or self._mesh()["tp"].get_local_rank() == 0
+        """Whether this rank adds its labels to the step's token count (counted before the CP
+        split): TP and CP peers hold the same labels, so only the first of each group does."""
+        mesh = self._mesh()
+        return mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         return self._mesh()["tp"] if self.tp_enabled else None
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        return self._mesh()["cp"] if self.cp_enabled else None

@@ -2,8 +2,9 @@
 
 Attribute names follow Meta's checkpoints so conversion is a key map. Parallelism is applied from
 the outside (parallelize.py); for that the attention derives its local head counts from shapes,
-and the chunked loss is an attribute that tensor parallelism replaces with its vocab-sharded
-version.
+the chunked loss is an attribute that tensor parallelism replaces with its vocab-sharded version,
+the attention kernel one that context parallelism replaces, and forward takes the tokens' true
+positions when it is given only a part of each sequence.
 """
 
 import math
@@ -65,10 +66,24 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)  # [b, s, h, hd/2, 2] -> [b, s, h, hd]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of q [b, hq, s, hd] over k, v [b, hkv, s, hd] -> [b, hq, s, hd].
+
+    GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order).
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
+        v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        # (q, k, v) -> attention output; context parallelism swaps in one over gathered k, v.
+        self.attend = causal_attention
         kv_dim = args.num_kv_heads * args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
@@ -83,12 +98,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)  # [b, s, kv_dim] -> [b, s, hkv, hd]
         q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, s, h, hd] -> [b, h, s, hd]
-        # GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order).
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
-            v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, hq, s, hd]
+        out = self.attend(q, k, v)  # [b, hq, s, hd]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, hq, s, hd] -> [b, s, hq * hd]
         return self.wo(out)
 
@@ -175,12 +185,17 @@ class Transformer(nn.Module):
         return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 0
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        chunk_tokens: int = 0,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab], or with labels the fp32 summed cross-entropy.
 
-        The loss is computed here, not by the caller, so the output weight is read inside this
-        module's forward (unsharded by FSDP at that point).
+        positions [s]: each token's position in its sequence (default 0..s-1), for callers that
+        pass a part of each sequence. The loss is computed here, not by the caller, so the output
+        weight is read inside this module's forward (unsharded by FSDP at that point).
         """
         seq_len = tokens.shape[1]
         if seq_len > self.args.max_seq_len:
@@ -188,7 +203,8 @@ class Transformer(nn.Module):
                 f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}; "
                 "build the model with a larger max_seq_len"
             )
-        rope_cache = self.rope_cache[:seq_len]  # [max_seq_len, hd] -> [s, hd]
+        # [max_seq_len, hd] -> [s, hd]
+        rope_cache = self.rope_cache[:seq_len] if positions is None else self.rope_cache[positions]
         h = self.tok_embeddings(tokens)  # [b, s, dim]
         for layer in self.layers.values():
             h = layer(h, rope_cache)

@@ -1,11 +1,13 @@
-"""Apply TP/SP -> activation checkpointing -> per-block compile -> FSDP2 to a Llama Transformer,
-and initialize the parallelized (meta-built) model exactly like a single-process run.
+"""Apply TP/SP -> CP -> activation checkpointing -> per-block compile -> FSDP2 to a Llama
+Transformer, and initialize the parallelized (meta-built) model exactly like a single-process run.
 
-Order matters: TP first (it turns weights into DTensors on the TP mesh), AC and compile wrap the
-blocks, FSDP last so it shards the TP DTensors over the data-parallel mesh (torchtitan order).
+Order matters: TP first (it turns weights into DTensors on the TP mesh), CP swaps the attention
+kernel before AC and compile wrap the blocks, FSDP last so it shards the TP DTensors over the
+data-parallel (x CP) mesh (torchtitan order).
 """
 
 import contextlib
+from functools import partial
 
 import torch
 from torch import nn
@@ -24,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titanlite.models.llama.context_parallel import cp_attention, split_inputs
 from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
 from titanlite.models.tiled_init import fill_
 from titanlite.parallel_dims import ParallelDims
@@ -49,6 +52,8 @@ def parallelize_llama(
     """
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.tp_mesh, parallelism_cfg.enable_loss_parallel)
+    if parallel_dims.cp_enabled:
+        apply_cp(model, parallel_dims.cp_mesh)
     if ac_cfg.mode != "none":
         apply_ac(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
@@ -115,6 +120,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) 
     }
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Context parallelism (context_parallel.py): the model is given this rank's two chunks of
+    every sequence (tokens, labels, positions), and each block attends over K and V gathered
+    from the CP group. The caller counts the step's target tokens before the split."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    model.register_forward_pre_hook(partial(split_inputs, cp=cp, rank=rank), with_kwargs=True)
+    attend = partial(cp_attention, group=cp_mesh.get_group(), cp=cp, rank=rank)
+    for block in model.layers.values():
+        block.attention.attend = attend
 
 
 # Ops whose outputs selective AC keeps: matmuls (expensive to recompute, cheap to store relative

@@ -1,0 +1,75 @@
+"""Context parallelism as in the Llama 3 paper (section 3.3.2), on any device and kernel.
+
+Each sequence is cut into 2 x CP equal chunks and CP rank r keeps chunks r and 2 x CP - 1 - r:
+an early and a late one, so every rank has the same share of the causal attention work. Each
+block's attention runs the local queries against K and V all-gathered over the CP group; with
+GQA, K and V are a fraction of the activations, so the gather is cheap next to attention. Its
+backward reduce-scatters (sums) the K/V gradients back to the ranks that computed K and V.
+
+Everything else in a block is per token, so the rest of the model runs unchanged on the local
+chunks. apply_cp (parallelize.py) installs the two pieces below from outside the model.
+"""
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the 2 x CP sequence chunks that CP rank `rank` holds, in local order."""
+    return rank, 2 * cp - 1 - rank
+
+
+def split_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of `x` along `dim` (the sequence), concatenated."""
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(cp, rank)], dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, group, cp: int, dim: int) -> torch.Tensor:
+    """Inverse of split_sequence over the CP group: every rank's chunks, in sequence order.
+
+    The autograd all-gather's backward is a reduce-scatter (sum), which is the gradient of the
+    gather: every rank's queries contribute to the gradient of the keys of earlier chunks.
+    """
+    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=0, group=group)
+    halves = [part.chunk(2, dim=dim) for part in gathered.chunk(cp, dim=0)]  # per rank
+    # Rank r holds chunks r and 2cp-1-r: first halves in rank order, then second halves reversed.
+    ordered = [h[0] for h in halves] + [h[1] for h in reversed(halves)]
+    return torch.cat(ordered, dim=dim)
+
+
+def cp_attention(q, k, v, *, group, cp: int, rank: int) -> torch.Tensor:
+    """Causal attention of this rank's query chunks over the whole sequence's K and V.
+
+    q [b, hq, 2c, hd], k and v [b, hkv, 2c, hd] (this rank's chunks) -> [b, hq, 2c, hd].
+    """
+    k = gather_sequence(k, group, cp, dim=2)  # [b, hkv, 2c, hd] -> [b, hkv, S, hd]
+    v = gather_sequence(v, group, cp, dim=2)  # [b, hkv, 2c, hd] -> [b, hkv, S, hd]
+    c = q.shape[2] // 2
+    outs = []
+    for q_chunk, chunk in zip(q.split(c, dim=2), chunk_ids(cp, rank)):
+        # Keys after the chunk are masked for all of its queries: they are not computed at all.
+        end = (chunk + 1) * c
+        # Query i of the chunk sits at position chunk * c + i and sees keys 0 .. chunk * c + i.
+        q_pos = torch.arange(chunk * c, end, device=q.device)
+        mask = torch.arange(end, device=q.device) <= q_pos[:, None]  # [c, end]
+        # enable_gqa: Meta's head order (query head j uses kv head j // n_rep) without a
+        # repeated copy of the gathered K and V.
+        out = F.scaled_dot_product_attention(
+            q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask, enable_gqa=True
+        )
+        outs.append(out)  # [b, hq, c, hd]
+    return torch.cat(outs, dim=2)
+
+
+def split_inputs(module, args, kwargs, *, cp: int, rank: int):
+    """Forward pre-hook of the model: keep this rank's chunks of the tokens and labels
+    (positional tensors, or labels=) and pass their true positions for RoPE."""
+    seq_len = args[0].shape[1]
+    args = tuple(split_sequence(a, cp, rank) if torch.is_tensor(a) else a for a in args)
+    if torch.is_tensor(kwargs.get("labels")):
+        kwargs["labels"] = split_sequence(kwargs["labels"], cp, rank)
+    positions = torch.arange(seq_len, device=args[0].device)
+    kwargs["positions"] = split_sequence(positions, cp, rank, dim=0)
+    return args, kwargs
