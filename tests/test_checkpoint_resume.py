@@ -38,6 +38,7 @@ LAYOUTS = {
     "fsdp2": (2, []),
     "fsdp4": (4, []),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "cp2_fsdp2": (4, ["--parallelism.context_parallel_degree", "2"]),
 }
 
 
@@ -87,6 +88,14 @@ def tp_resumed(tp_ref, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def cp_ref(tmp_path_factory) -> Path:
+    """Uninterrupted CP 2 x FSDP 2 run (4 processes), sync checkpoints at 6 and 12."""
+    out = tmp_path_factory.mktemp("cp_ref")
+    train(out, "cp2_fsdp2")
+    return out
+
+
 @pytest.mark.slow
 def test_fsdp_tp_resume_is_bitwise(tp_ref, tp_resumed):
     """4 ranks, FSDP 2 x TP 2: steps 7-12 after a resume are the very same floats."""
@@ -115,13 +124,24 @@ def test_async_checkpoint_equals_sync_checkpoint(tp_ref, tp_resumed, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2_tp2", "one", "fsdp2"])
-def test_reshard_resume_from_fsdp4(fsdp4_ref, layout, tmp_path):
-    """An FSDP 4 checkpoint resumes under FSDP 2 x TP 2, one process, and FSDP 2 on 2 processes.
-    The loader position is global, so step 7 sees the same global batch: its loss matches the
-    uninterrupted run to reduction-order rounding, as do the later steps."""
-    resume(fsdp4_ref, tmp_path, layout)
-    a, b = metrics(fsdp4_ref), metrics(tmp_path)
+@pytest.mark.parametrize(
+    "ref, layout",
+    [
+        ("fsdp4_ref", "fsdp2_tp2"),
+        ("fsdp4_ref", "one"),
+        ("fsdp4_ref", "fsdp2"),
+        ("fsdp4_ref", "cp2_fsdp2"),
+        ("cp_ref", "fsdp2_tp2"),
+    ],
+)
+def test_reshard_resume(ref, layout, tmp_path, request):
+    """An FSDP 4 checkpoint resumes under FSDP 2 x TP 2, one process, FSDP 2 on 2 processes and
+    CP 2 x FSDP 2; a CP 2 x FSDP 2 one under FSDP 2 x TP 2. The loader position is global, so
+    step 7 sees the same global batch: its loss matches the uninterrupted run to reduction-order
+    rounding, as do the later steps."""
+    ref = request.getfixturevalue(ref)
+    resume(ref, tmp_path, layout)
+    a, b = metrics(ref), metrics(tmp_path)
     assert sorted(b) == list(range(7, 13))
     devs = {s: abs(a[s] - b[s]) / abs(a[s]) for s in b}
     print(f"{layout}: relative loss deviation per step {devs}")
