@@ -105,8 +105,8 @@ def main(argv: list[str]) -> int:
     s = setup
     print(
         f"{cfg.model.flavor}: {est.num_params / 1e9:.3f} B params, vocab {vocab}; world {world} "
-        f"= dp_replicate {s.dp_replicate} x dp_shard {s.dp_shard} x tp {s.tp}; local batch "
-        f"{s.local_batch_size} x seq {s.seq_len}; AC {s.ac_mode}"
+        f"= dp_replicate {s.dp_replicate} x dp_shard {s.dp_shard} x cp {s.cp} x tp {s.tp}; local "
+        f"batch {s.local_batch_size} x seq {s.seq_len}; AC {s.ac_mode}"
         + (f" ({s.selective_ac_option})" if s.ac_mode == "selective" else "")
         + f"; loss chunk {s.chunk_tokens or 'off'}; {s.param_dtype}; device {s.device}"
     )

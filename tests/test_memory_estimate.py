@@ -73,6 +73,19 @@ def test_tp_divides_activations_except_gathered_norm_outputs():
     assert activation_bytes(setup(tp=2, **fp32)) == pytest.approx(tokens * 3 * full_2 * 4)
 
 
+def test_cp_splits_tokens_and_shards_params_over_dp_shard_x_cp():
+    """CP 2: half of each sequence per rank, the whole sequence's K and V (kv_dim 64 x 2 per
+    local token) saved by attention instead of repeated local ones, the late chunk's mask."""
+    tokens, dim, ffn, kv = 32 // 2, 64, 256, 64
+    fp32 = dict(param_dtype="float32")
+    full = 2 * dim + 2 * dim + 3 * dim + 2 * kv * 2 + 4 * ffn  # per local token, per block
+    mask = 16 // 4 * 16 * (1 + 4)  # [seq / (2 cp), seq] bools + fp32 bias
+    assert activation_bytes(setup(cp=2, **fp32)) == pytest.approx(tokens * 3 * full * 4 + mask)
+    rows = estimate(setup(cp=2, dp_shard=2)).rows
+    assert rows["params (fp32, sharded)"] == pytest.approx(param_counts(ARGS)["total"] * 4 / 4)
+    assert loss_bytes(setup(cp=2)) == loss_bytes(setup(seq_len=8))
+
+
 def test_cpu_composite_rmsnorm_saves_its_normalized_input_too():
     fp32 = dict(param_dtype="float32")
     extra = activation_bytes(setup(device="cpu", **fp32)) - activation_bytes(setup(**fp32))

@@ -7,9 +7,9 @@ peak = params + grads + optimizer states                      (persistent, shard
 Assumptions (each one is a place the estimate can be wrong; docs/performance.md has the measured
 error):
 - Parameters are counted on a meta-device Transformer, so the count is exact. Master weights, grads
-  and the two AdamW states are fp32. FSDP shards every parameter 1/dp_shard (dim-0 padding
-  ignored); replication (HSDP) does not shard. TP splits the block linears, the embedding and the
-  output projection 1/tp; the RMSNorm weights stay replicated.
+  and the two AdamW states are fp32. FSDP shards every parameter 1/(dp_shard x cp) (dim-0
+  padding ignored); replication (HSDP) does not shard. TP splits the block linears, the
+  embedding and the output projection 1/tp; the RMSNorm weights stay replicated.
 - Grads are counted whole for the whole step (an upper bound: they appear as backward frees the
   activations).
 - FSDP keeps the root's unsharded param_dtype weights (embedding, final norm, output) for the
@@ -22,8 +22,12 @@ error):
   outputs, silu output, the gated product; GQA k/v are repeated before SDPA so they count at
   full dim). On CPU nn.RMSNorm is composite and also saves x * rstd: +2 x dim.
   Under TP with sequence parallel everything but the two all-gathered norm outputs is
-  divided by tp. Selective 'op' AC keeps the matmul and SDPA outputs and the block input; full AC
-  keeps the block input; selective 'N' makes every Nth block full AC. With AC one block's full
+  divided by tp. Under CP a rank holds seq_len / cp tokens of each sequence, and attention saves
+  the K and V gathered over the whole sequence (not repeated for GQA) instead of the local
+  repeated ones: 2 x kv_dim x cp per local token; its causal mask for the late chunk,
+  [seq / (2 cp), seq], exists during one attention call. Selective 'op' AC keeps the matmul and
+  SDPA outputs and the block input (CP's K/V are gathered again in backward); full AC keeps the
+  block input; selective 'N' makes every Nth block full AC. With AC one block's full
   activations are rebuilt in backward. One more block's worth is allowed for gradient buffers.
 - Loss: unchunked, the fp32 logits exist three times at the start of backward (saved
   log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits; chunked, one
@@ -64,6 +68,7 @@ class MemorySetup:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    cp: int = 1
     ac_mode: str = "none"  # none | full | selective
     selective_ac_option: str = "op"  # "op" or N (every Nth block)
     chunk_tokens: int = 0
@@ -81,14 +86,21 @@ class MemorySetup:
             raise ValueError(f"selective_ac_option must be 'op' or a positive int, got {opt!r}")
         if self.param_dtype not in DTYPE_BYTES:
             raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}")
-        for name in ("dp_replicate", "dp_shard", "tp", "local_batch_size", "seq_len"):
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "local_batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def fsdp(self) -> bool:
-        # parallelize_llama applies FSDP with data parallelism or a compute dtype below fp32.
-        return self.dp_shard > 1 or self.dp_replicate > 1 or self.param_dtype != "float32"
+        # parallelize_llama applies FSDP with data or context parallelism or a compute dtype
+        # below fp32.
+        sharded = self.dp_shard * self.cp > 1 or self.dp_replicate > 1
+        return sharded or self.param_dtype != "float32"
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of one microbatch on this rank: CP ranks hold 1/cp of each sequence."""
+        return self.local_batch_size * self.seq_len // self.cp
 
 
 @dataclass
@@ -128,7 +140,7 @@ def param_counts(args: ModelArgs) -> dict[str, int]:
 
 def _local_params(counts: dict[str, int], s: MemorySetup) -> float:
     """Elements of the parameters this rank owns after TP then FSDP sharding."""
-    return (counts["tp_split"] / s.tp + counts["replicated"]) / s.dp_shard
+    return (counts["tp_split"] / s.tp + counts["replicated"]) / (s.dp_shard * s.cp)
 
 
 def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
@@ -141,9 +153,13 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     if s.device == "cpu":
         norm_io *= 2  # CPU RMSNorm is composite: it also saves x * rstd before the gain
     gathered = 2 * dim  # norm outputs as the column-parallel linears save them
-    inner = (5 * dim + 4 * ffn) / tp  # q, k, v (repeated), sdpa out, wo input; w1, silu, w3, prod
+    # SDPA's k and v: repeated for GQA, or under CP the whole sequence's, gathered, unrepeated.
+    sdpa_kv = 2 * kv * s.cp if s.cp > 1 else 2 * dim
+    # q, k, v, sdpa out, wo input; w1, silu, w3, prod
+    inner = (3 * dim + sdpa_kv + 4 * ffn) / tp
     full = norm_io + gathered + inner
-    # Selective op: block input + mm outputs (q, k, v before repeat, wo, w1, w3, w2) + sdpa out.
+    # Selective op: block input + mm outputs (q, k, v before repeat, wo, w1, w3, w2) + sdpa out
+    # (CP's gathered k and v are gathered again in backward, like TP's norm outputs).
     sac = dim / tp + (dim + 2 * kv + dim + 2 * ffn + dim + dim) / tp
     ckpt = dim / tp  # full AC: the block input only
     return full, sac, ckpt
@@ -152,7 +168,7 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
 def activation_bytes(s: MemorySetup) -> float:
     """Saved activations of all blocks plus the recompute and gradient working set."""
     a = s.model_args
-    tokens = s.local_batch_size * s.seq_len
+    tokens = s.local_tokens
     act = DTYPE_BYTES[s.param_dtype]
     full, sac, ckpt = block_activation_elems(s)
     full_bytes = full * act
@@ -166,13 +182,21 @@ def activation_bytes(s: MemorySetup) -> float:
         every = int(s.selective_ac_option)
         n_ckpt = a.n_layers // every
         saved = n_ckpt * ckpt * act + (a.n_layers - n_ckpt) * full_bytes + full_bytes
-    return tokens * (saved + full_bytes)  # + one block of gradient buffers
+    return tokens * (saved + full_bytes) + cp_mask_bytes(s)  # + one block of gradient buffers
+
+
+def cp_mask_bytes(s: MemorySetup) -> float:
+    """CP attention's causal mask for its late chunk, [seq/(2 cp), ~seq] bools, live during one
+    SDPA call, plus the additive bias in the activation dtype that mask-taking kernels make."""
+    if s.cp == 1:
+        return 0.0
+    return s.seq_len // (2 * s.cp) * s.seq_len * (1 + DTYPE_BYTES[s.param_dtype])
 
 
 def loss_bytes(s: MemorySetup) -> float:
     """Logits and their gradients at the loss, the largest single term for big vocabularies."""
     a = s.model_args
-    tokens = s.local_batch_size * s.seq_len
+    tokens = s.local_tokens
     act = DTYPE_BYTES[s.param_dtype]
     vocab = a.vocab_size / s.tp if s.loss_parallel else a.vocab_size
     if s.chunk_tokens <= 0:
@@ -190,7 +214,7 @@ def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
     pb = DTYPE_BYTES[s.param_dtype]
     if not s.fsdp:
         return 0.0
-    # FSDP all-gathers over dp_shard only: the gathered weights are still TP-local (1/tp).
+    # FSDP all-gathers over dp_shard x cp only: the gathered weights are still TP-local (1/tp).
     root = counts["root"] / s.tp * pb  # the root stays unsharded for the whole step
     block = counts["block"] / s.tp
     in_flight = s.model_args.n_layers if s.reshard_after_forward == "never" else 2
@@ -231,6 +255,7 @@ def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda
         p.data_parallel_shard_degree,
         p.tensor_parallel_degree,
         world_size,
+        cp=p.context_parallel_degree,
     )
     t = cfg.training
     args = get_model_args(cfg.model.flavor, vocab_size, t.seq_len, cfg.model.use_scaled_rope)
@@ -241,6 +266,7 @@ def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda
         dp_replicate=pd.dp_replicate,
         dp_shard=pd.dp_shard,
         tp=pd.tp,
+        cp=pd.cp,
         ac_mode=cfg.activation_checkpoint.mode,
         selective_ac_option=cfg.activation_checkpoint.selective_ac_option,
         chunk_tokens=cfg.loss.chunk_tokens,
