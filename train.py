@@ -275,7 +275,7 @@ class Trainer:
         self.state = TrainState()
         self.checkpointer = CheckpointManager(
             ckpt, cfg.job.dump_folder, self.model, self.optimizer, self.scheduler, self.loader,
-            self.state, dp_degree=pd.dp_degree,
+            self.state, dp_degree=pd.dp_degree, last_step=t.steps,
         )  # fmt: skip
         self.preemption = Preemption()
         self.validator = Validator(

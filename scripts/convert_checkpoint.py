@@ -2,7 +2,8 @@
 
     python scripts/convert_checkpoint.py dcp-to-hf outputs/checkpoint/step-1000 hf_out [--flavor 8B]
     python scripts/convert_checkpoint.py hf-to-dcp hf_dir dcp_out
-        (then train with --checkpoint.initial_load_path dcp_out)
+        (then train with --checkpoint.initial_load_path dcp_out; train.py also starts from
+        hf_dir itself with --checkpoint.initial_load_in_hf)
     python scripts/convert_checkpoint.py dcp-to-torch outputs/checkpoint/step-1000 model.pt [--all]
 
 Runs in one process without a process group (DCP resharding reads any saved layout). `--dtype`
@@ -14,20 +15,18 @@ model.safetensors.index.json; hf-to-dcp reads single-file or sharded exports one
 and writes DCP lazily; dcp-to-torch (--all too) reserves the torch.save file's space, then fills
 it tensor by tensor.
 
-RoPE: titanlite (like Meta) rotates interleaved pairs (2i, 2i+1) of each head; HF's rotate_half
-pairs i with i + head_dim/2. The q/k projection rows are permuted so both give the same logits.
+The HF format itself (names, RoPE row order, config.json) is `titanlite.hf`, which the trainer's
+checkpoints use too.
 """
 
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -39,7 +38,17 @@ from titanlite.checkpoint_stream import (
     single_process_quietly,
     torch_save_lazily,
 )
-from titanlite.models.llama import model as llama_model
+from titanlite.hf import (
+    INDEX,
+    from_hf_lazily,
+    hf_files,
+    hf_shape,
+    read_hf_config,
+    read_hf_tensor,
+    to_hf,
+    units,
+    write_hf_config,
+)
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 
 try:
@@ -50,37 +59,6 @@ except ModuleNotFoundError:  # Python 3.10
 # Training's dtype table plus float16, for export only: the fast half type for inference on GPUs
 # without bf16 (pre-Ampere), which many HF Llama checkpoints use.
 DTYPES = {**precision.DTYPES, "float16": torch.float16}
-
-# titanlite (Meta) name -> HF name, per layer ("{}" = layer index) and global.
-LAYER_KEYS = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-GLOBAL_KEYS = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def to_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows from interleaved pairs to HF's two halves."""
-    rows, cols = w.shape
-    # [h*hd, dim] -> [h, hd/2, 2, dim] -> [h, 2, hd/2, dim] -> [h*hd, dim]
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def from_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    # [h*hd, dim] -> [h, 2, hd/2, dim] -> [h, hd/2, 2, dim] -> [h*hd, dim]
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 class _MetadataOnceReader(dcp.FileSystemReader):
@@ -170,94 +148,6 @@ def model_args_for(shapes: dict, flavor: str, step_dir: Path) -> ModelArgs:
     )
 
 
-def hf_config(args: ModelArgs, dtype: str) -> dict:
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
-    }
-    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.use_scaled_rope:
-        cfg["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": llama_model.ROPE_SCALE_FACTOR,
-            "low_freq_factor": llama_model.ROPE_LOW_FREQ_FACTOR,
-            "high_freq_factor": llama_model.ROPE_HIGH_FREQ_FACTOR,
-            "original_max_position_embeddings": llama_model.ROPE_OLD_CONTEXT_LEN,
-        }
-        rope = {**cfg["rope_scaling"], "rope_theta": args.rope_theta}
-    cfg["rope_parameters"] = rope  # transformers >= 5 reads this; older ones the two keys above
-    return cfg
-
-
-def to_hf(sd: dict, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF names and layout for whichever titanlite weights `sd` holds (a unit or the model)."""
-    out = {}
-    for ours, w in sd.items():
-        hf, rope_heads = hf_name(ours, args.n_heads, args.num_kv_heads)
-        out[hf] = (w if rope_heads is None else to_hf_rope(w, rope_heads)).to(dtype).contiguous()
-    return out
-
-
-def hf_name(ours: str, n_heads: int, n_kv_heads: int) -> tuple[str, int | None]:
-    """The HF name of a titanlite weight, and its RoPE head count if its rows are permuted."""
-    if ours in GLOBAL_KEYS:
-        return GLOBAL_KEYS[ours], None
-    _, i, rest = ours.split(".", 2)
-    heads = {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads}.get(rest)
-    return f"model.layers.{i}.{LAYER_KEYS[rest]}", heads
-
-
-def titanlite_names(n_layers: int) -> list[str]:
-    return [
-        *GLOBAL_KEYS,
-        *(f"layers.{i}.{k}" for i in range(n_layers) for k in LAYER_KEYS),
-    ]
-
-
-def from_hf_lazily(get, cfg: dict, dtype: torch.dtype) -> dict[str, tuple[str, Callable]]:
-    """{titanlite name: (HF name, make)} where make() converts `get(HF name)`."""
-    n_heads = cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads") or n_heads
-
-    def converter(name: str, heads: int | None):
-        def make() -> torch.Tensor:
-            w = get(name)
-            return (w if heads is None else from_hf_rope(w, heads)).to(dtype).contiguous()
-
-        return make
-
-    out = {}
-    for ours in titanlite_names(cfg["num_hidden_layers"]):
-        name, heads = hf_name(ours, n_heads, n_kv)
-        out[ours] = name, converter(name, heads)
-    return out
-
-
-def units(n_layers: int) -> list[list[str]]:
-    """Export units, each one shard: the embedding, each block, then norm + output."""
-    return [
-        ["tok_embeddings.weight"],
-        *([f"layers.{i}.{k}" for k in LAYER_KEYS] for i in range(n_layers)),
-        ["norm.weight", "output.weight"],
-    ]
-
-
 def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
     ckpt = DcpModel(step_dir)
     args = model_args_for(ckpt.shapes, flavor, step_dir)
@@ -276,47 +166,12 @@ def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
         total += sum(t.nbytes for t in hf.values())
         del hf
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
-
-
-def hf_files(hf_dir: Path) -> dict[str, Path]:
-    """{HF tensor name: file}, from the index when there is one, else from every file."""
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: hf_dir / f for name, f in weight_map.items()}
-    files = {}
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name in files:
-                    raise ValueError(f"{hf_dir}: {name} is in both {files[name].name} and "
-                                     f"{f.name} (and there is no index to choose)")  # fmt: skip
-                files[name] = f
-    return files
-
-
-def read_hf_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
-    # Opened per tensor: the file is memory-mapped, and closing unmaps the pages just read.
-    with safe_open(str(files[name]), framework="pt") as st:
-        return st.get_tensor(name)
-
-
-def hf_shape(files: dict[str, Path], name: str) -> tuple[int, ...]:
-    with safe_open(str(files[name]), framework="pt") as st:
-        return tuple(st.get_slice(name).get_shape())
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    write_hf_config(out, args, dtype)
 
 
 def hf_to_dcp(hf_dir: Path, out: Path, dtype: str) -> None:
-    cfg_file = hf_dir / "config.json"
-    if not cfg_file.is_file() or not any(hf_dir.glob("*.safetensors")):
-        raise ValueError(f"{hf_dir} needs config.json and *.safetensors (a HF Llama checkpoint)")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("tie_word_embeddings"):
-        raise ValueError(
-            f"{hf_dir}: tied embeddings are not supported (titanlite's output is untied)"
-        )
+    cfg = read_hf_config(hf_dir)
     files = hf_files(hf_dir)
     convert = from_hf_lazily(lambda name: read_hf_tensor(files, name), cfg, DTYPES[dtype])
     missing = [name for name, _ in convert.values() if name not in files]

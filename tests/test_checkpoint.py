@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import assert_nested_equal, torchrun_script
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
@@ -220,6 +221,37 @@ def test_initial_load_path_loads_weights_only(tmp_path):
     ]:
         with pytest.raises(ValueError, match=f"initial_load_path: .*{msg}"):
             resume(make_setup(tmp_path / "c", initial_load_path=str(bad)))
+
+
+def test_initial_load_model_only_off_loads_the_whole_state(tmp_path):
+    src = make_setup(tmp_path / "a")
+    train_steps(src, 2)
+    step_dir = tmp_path / "a" / "checkpoint" / "step-2"
+    mgr = make_setup(tmp_path / "b", initial_load_path=str(step_dir), initial_load_model_only=False)
+    assert resume(mgr) == 2
+    assert_same(snapshot(src), snapshot(mgr))
+
+
+def test_last_save_model_only_is_an_export_not_a_resume_point(tmp_path, caplog):
+    mgr = make_setup(tmp_path, last_save_model_only=True, export_dtype="bfloat16", keep_latest_k=1)
+    mgr.last_step = 2
+    train_steps(mgr, 2)  # step 1: the whole state; step 2, the last: the weights in bfloat16
+    export = tmp_path / "checkpoint" / "step-2"
+    # keep_latest_k = 1 keeps the last full checkpoint next to the export.
+    assert sorted(scan_checkpoints(tmp_path / "checkpoint")[0]) == [1, 2]
+    saved = dcp.FileSystemReader(str(export)).read_metadata().state_dict_metadata
+    assert {k.split(".")[0] for k in saved} == {"model", "meta"}
+    assert {md.properties.dtype for k, md in saved.items() if k != "meta"} == {torch.bfloat16}
+
+    with caplog.at_level(logging.WARNING, logger="titanlite.checkpoint"):
+        assert resume(make_setup(tmp_path)) == 1
+    assert f"Not resuming from {export}: it holds only the model weights" in caplog.text
+    with pytest.raises(ValueError, match=r"load_step=2: .*step-2 holds only the model weights"):
+        resume(make_setup(tmp_path, load_step=2))
+    fresh = make_setup(tmp_path / "b", initial_load_path=str(export))  # a start, as it says
+    assert resume(fresh) == 0
+    for x, y in zip(mgr.model.parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(x.bfloat16().float(), y)
 
 
 def test_seed_checkpoint_is_model_only_and_leaves_optimizer_alone(tmp_path):

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -35,9 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from titanlite.checkpoint_hf import check_heads, hf_names, load_hf, save_hf
 from titanlite.checkpoint_stream import single_process_quietly
 from titanlite.config import EXCLUDABLE
 from titanlite.data.loader import dp_degree_changed
+from titanlite.hf import read_hf_config
+from titanlite.precision import DTYPES
 
 try:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -99,8 +103,16 @@ def scan_checkpoints(folder: Path) -> tuple[dict[int, Path], list[Path]]:
     return complete, partial
 
 
-def _check_dcp_dir(path: Path, what: str) -> None:
-    """Fail early, with the fix, when a path explicitly asked for is not a whole DCP checkpoint."""
+def _marker(path: Path) -> dict:
+    """What a complete checkpoint's marker says (older markers: nothing, or only the step)."""
+    try:
+        return json.loads((path / MARKER).read_text() or "{}")
+    except ValueError:
+        return {}
+
+
+def _check_complete(path: Path, what: str) -> None:
+    """A path explicitly asked for exists and, if it is a step folder, its save finished."""
     if not path.exists():
         raise ValueError(f"{what}: {path} does not exist")
     step_dir = _STEP_DIR.match(path.name)
@@ -109,9 +121,18 @@ def _check_dcp_dir(path: Path, what: str) -> None:
             f"{what}: {path} is a partial checkpoint (its save did not finish: no {MARKER} "
             "marker); pick a complete step folder"
         )
+
+
+def _is_hf(path: Path) -> bool:
+    return not (path / ".metadata").is_file() and any(path.glob("*.safetensors"))
+
+
+def _check_dcp_dir(path: Path, what: str) -> None:
+    """Fail early, with the fix, when a path explicitly asked for is not a whole DCP checkpoint."""
+    _check_complete(path, what)
     if (path / ".metadata").is_file():
         return
-    if any(path.glob("*.safetensors")):
+    if _is_hf(path):
         raise ValueError(
             f"{what}: {path} is a Hugging Face checkpoint; convert it first with "
             f"`python scripts/convert_checkpoint.py hf-to-dcp {path} OUT_DIR` and load OUT_DIR"
@@ -135,33 +156,74 @@ def _read_metadata(path: Path) -> dict:
         ) from e
 
 
+def _check_hf_dir(path: Path, what: str) -> None:
+    """Fail early, with the fix, when a path asked for is not a loadable Hugging Face folder."""
+    _check_complete(path, what)
+    if (path / ".metadata").is_file():
+        raise ValueError(
+            f"{what}: {path} is a DCP checkpoint, not a Hugging Face folder: drop "
+            "--checkpoint.initial_load_in_hf"
+        )
+    try:
+        read_hf_config(path)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def _read_hf_metadata(path: Path) -> dict:
+    """{HF name: tensor metadata} from the headers of a HF folder's safetensors files."""
+    try:
+        return HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"cannot read the safetensors files in {path} ({e})") from e
+
+
+def check_checkpoint_dir(path: Path, what: str) -> None:
+    """For a script given a checkpoint folder (`what` names its option): fail in seconds, with
+    the fix, unless it is a complete DCP checkpoint whose metadata reads."""
+    _check_dcp_dir(path, what)
+    _read_metadata(path)
+
+
 @dataclass(frozen=True)
 class LoadPlan:
-    """What a run loads: its own newest (or chosen) checkpoint, or the weights of
-    checkpoint.initial_load_path to start from (training then starts at step 0)."""
+    """What a run loads: its own newest (or chosen) checkpoint, or checkpoint.initial_load_path
+    to start from (its weights only unless initial_load_model_only is off); `hf`: a Hugging
+    Face folder (weights only)."""
 
     path: Path
     weights_only: bool
+    hf: bool = False
+
+
+def _rank0_decides(decide):
+    """`decide()` on rank 0 only (it reads files); every rank gets its answer (or its error)."""
+    answer, err = None, None
+    if _rank() == 0:
+        try:
+            answer = decide()
+        except (ValueError, CheckpointError) as e:
+            err = e
+    if _dist_on():  # every rank fails with rank 0's error rather than hang waiting for it
+        box = [answer, err]
+        dist.broadcast_object_list(box, src=0)
+        answer, err = box
+    if err is not None:
+        raise err
+    return answer
 
 
 def plan_load(ckpt_cfg, dump_folder) -> LoadPlan | None:
     """Decide what to load and check it can be loaded, before the model is built (at 70B that
-    build takes minutes). Rank 0 decides, every rank gets its answer (or its error)."""
-    plan, err = None, None
-    if _rank() == 0:
-        try:
-            plan = _choose(ckpt_cfg, Path(dump_folder) / ckpt_cfg.folder)
-            if plan is not None:
-                _read_metadata(plan.path)
-        except (ValueError, CheckpointError) as e:
-            err = e
-    if _dist_on():  # every rank fails with rank 0's error rather than hang waiting for it
-        box = [plan, err]
-        dist.broadcast_object_list(box, src=0)
-        plan, err = box
-    if err is not None:
-        raise err
-    return plan
+    build takes minutes)."""
+
+    def decide():
+        plan = _choose(ckpt_cfg, Path(dump_folder) / ckpt_cfg.folder)
+        if plan is not None:
+            (_read_hf_metadata if plan.hf else _read_metadata)(plan.path)
+        return plan
+
+    return _rank0_decides(decide)
 
 
 def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
@@ -169,6 +231,7 @@ def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
         complete, partial = scan_checkpoints(folder)
         for p in partial:
             logger.warning("Ignoring partial checkpoint %s (a save did not finish)", p)
+        complete = _resume_points(complete, ckpt_cfg.load_step)
         step = ckpt_cfg.load_step
         if step >= 0 and step not in complete:
             raise ValueError(
@@ -178,10 +241,31 @@ def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
         if complete:
             return LoadPlan(complete[step if step >= 0 else max(complete)], weights_only=False)
     if ckpt_cfg.initial_load_path:
-        path = Path(ckpt_cfg.initial_load_path)
-        _check_dcp_dir(path, "checkpoint.initial_load_path")
-        return LoadPlan(path, weights_only=True)
+        path, hf = Path(ckpt_cfg.initial_load_path), ckpt_cfg.initial_load_in_hf
+        what = "checkpoint.initial_load_path"
+        if not hf and path.is_dir() and _is_hf(path):
+            raise ValueError(
+                f"{what}: {path} is a Hugging Face folder: add --checkpoint.initial_load_in_hf"
+            )
+        (_check_hf_dir if hf else _check_dcp_dir)(path, what)
+        return LoadPlan(path, weights_only=ckpt_cfg.initial_load_model_only, hf=hf)
     return None
+
+
+def _resume_points(complete: dict[int, Path], load_step: int) -> dict[int, Path]:
+    """The complete checkpoints a run can resume from: not a last save that holds only the model
+    weights (checkpoint.last_save_model_only), which has no optimizer or data state."""
+    exports = {s: p for s, p in complete.items() if _marker(p).get("model_only")}
+    for step, path in sorted(exports.items()):
+        hf = " --checkpoint.initial_load_in_hf" if _marker(path).get("format") == "hf" else ""
+        fix = f"start a run from it with --checkpoint.initial_load_path {path}{hf}"
+        if step == load_step:
+            raise ValueError(
+                f"checkpoint.load_step={step}: {path} holds only the model weights (a last "
+                f"save with checkpoint.last_save_model_only), nothing to resume; {fix}"
+            )
+        logger.warning("Not resuming from %s: it holds only the model weights; %s", path, fix)
+    return {s: p for s, p in complete.items() if s not in exports}
 
 
 def _capture_rng() -> dict:
@@ -229,11 +313,12 @@ def _reusable_stager():
     return DefaultStager(StagingOptions(cuda, False, False, cuda))
 
 
-def publish(folder: Path, step: int) -> Path:
-    """Mark the fully written `step-N.tmp` complete and make it `step-N`. A complete `step-N`
-    already there is moved aside first and deleted only after the new one took its place."""
+def publish(folder: Path, step: int, info: dict | None = None) -> Path:
+    """Mark the fully written `step-N.tmp` complete (the marker holds the step and `info`) and
+    make it `step-N`. A complete `step-N` already there is moved aside first and deleted only
+    after the new one took its place."""
     tmp, final = folder / f"step-{step}.tmp", folder / f"step-{step}"
-    (tmp / MARKER).write_text(json.dumps({"step": step}) + "\n")
+    (tmp / MARKER).write_text(json.dumps({"step": step, **(info or {})}) + "\n")
     old = folder / f"step-{step}.old"
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -248,19 +333,20 @@ class CheckpointManager:
 
     `train_state`, `dataloader` and `lr_scheduler` only need `state_dict()`/`load_state_dict()`.
     A `dataloader` whose state is partly per rank (a sharded stream) also has
-    `stream_state_dict()`: its dp rank's position, or None. Must be constructed on every rank (the
-    async mode creates its own process group).
+    `stream_state_dict()`: its dp rank's position, or None. The save of `last_step` (the run's
+    last) follows checkpoint.last_save_model_only / last_save_in_hf. Must be constructed on every
+    rank (the async mode creates its own process group).
     """
 
     def __init__(
         self, ckpt_cfg, dump_folder, model, optimizer, lr_scheduler, dataloader, train_state,
-        dp_degree: int = 1,
+        dp_degree: int = 1, last_step: int = -1,
     ):  # fmt: skip
         self.cfg = ckpt_cfg
         self.folder = Path(dump_folder) / ckpt_cfg.folder
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.train_state = dataloader, train_state
-        self.dp_degree = dp_degree
+        self.dp_degree, self.last_step = dp_degree, last_step
         self._last_saved = -1
         # Publishing (marker, rename) and pruning (rmtree of terabytes at 405B) run in this
         # thread in both modes: on the training thread rank 0 would hold every other rank at
@@ -285,16 +371,21 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         """Save `step`; it is complete on disk once `wait()` or `close()` returned. Model only
         before the first optimizer step (a seed checkpoint): `get_state_dict` would otherwise
-        initialize AdamW state with a zero-grad step()."""
+        initialize AdamW state with a zero-grad step(). The last step's save with
+        last_save_model_only is an export: the weights in export_dtype, DCP or (last_save_in_hf)
+        Hugging Face, written synchronously (the run ends right after it)."""
         self.wait()  # also: the staging buffers are free again, the previous write has read them
+        export = step == self.last_step and self.cfg.last_save_model_only
         model_only = self.optimizer is None or not self.optimizer.state
         tmp = self.folder / f"step-{step}.tmp"
         if _rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this step
         _barrier()  # nobody writes into tmp before rank 0 has cleared it
-        state = self._state_to_save(step, model_only)
-        if self.cfg.async_mode == "async":
+        if export:
+            self._export(step, tmp)
+        elif self.cfg.async_mode == "async":
+            state = self._state_to_save(step, model_only)
             stager = {} if self._stager is None else {"async_stager": self._stager}
             written = dcp.async_save(
                 state, checkpoint_id=str(tmp), process_group=self._pg, **stager
@@ -302,9 +393,21 @@ class CheckpointManager:
             self._published = self._publisher.submit(self._publish_when_written, written, step)
         else:
             with single_process_quietly():
-                dcp.save(state, checkpoint_id=str(tmp))
+                dcp.save(self._state_to_save(step, model_only), checkpoint_id=str(tmp))
             self._published = self._publisher.submit(self._finalize, step)
         self._last_saved = step
+
+    def _export(self, step: int, tmp: Path) -> None:
+        fmt, dtype = "hf" if self.cfg.last_save_in_hf else "dcp", self.cfg.export_dtype
+        if fmt == "hf":
+            save_hf(self.model, tmp, dtype)
+        else:
+            state = self._state_to_save(step, model_only=True)
+            state["model"] = {k: v.to(DTYPES[dtype]) for k, v in state["model"].items()}
+            with single_process_quietly():
+                dcp.save(state, checkpoint_id=str(tmp))
+        info = {"model_only": True, "format": fmt, "dtype": dtype}
+        self._published = self._publisher.submit(self._finalize, step, info)
 
     def _publish_when_written(self, written: Future, step: int) -> None:
         try:
@@ -370,23 +473,26 @@ class CheckpointManager:
                 "global position, identical on every rank"
             )
 
-    def _finalize(self, step: int) -> None:
+    def _finalize(self, step: int, info: dict | None = None) -> None:
         """Rank 0 only, in the publisher thread: every rank's data is on disk once DCP's save
         returned (its final gather ran), so publish the checkpoint, then prune. A complete
         checkpoint of the same step is moved aside first and deleted only after the new one
         took its place."""
         if _rank() != 0:
             return
-        logger.info("Saved checkpoint %s", publish(self.folder, step))
+        logger.info("Saved checkpoint %s", publish(self.folder, step, info))
         self._prune(keep=step)
 
     def _prune(self, keep: int) -> None:
         """Delete all but the newest `keep_latest_k` complete checkpoints, never step `keep`
-        (the one just published: after a resume from an older step it may not be the newest)."""
+        (the one just published: after a resume from an older step it may not be the newest).
+        Weights-only exports neither count nor go: with k = 1 the last full checkpoint must
+        survive the run's final export, or the run could not be resumed or extended."""
         k = self.cfg.keep_latest_k
         if k <= 0:
             return
         complete = scan_checkpoints(self.folder)[0]
+        complete = {s: p for s, p in complete.items() if not _marker(p).get("model_only")}
         for step in sorted(complete)[:-k]:
             if step != keep:
                 shutil.rmtree(complete[step], ignore_errors=True)
@@ -398,7 +504,26 @@ class CheckpointManager:
         the checkpoint's step when the train state was restored, else 0."""
         if plan is None:
             return 0
+        if plan.hf:
+            self._load_hf(plan.path)
+            return 0
         return self._load_from(plan.path, plan.weights_only)
+
+    def _load_hf(self, path: Path) -> None:
+        args = self.model.args
+        msd = get_model_state_dict(self.model)
+        names = hf_names(args, msd)
+
+        def check():  # the files' headers, read once (191 files at 405B), not by every rank
+            check_heads(read_hf_config(path), args, path)
+            self._check_model_shapes(path, _read_hf_metadata(path), msd, lambda n: names[n][0])
+
+        _rank0_decides(check)
+        try:
+            load_hf(self.model, path)
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"failed to load {path}: {_dcp_reason(e)}") from e
+        logger.info("Loaded model from %s (Hugging Face)", path)
 
     def _load_from(self, path: Path, weights_only: bool) -> int:
         saved = _read_metadata(path)
@@ -417,7 +542,7 @@ class CheckpointManager:
             state = {"model": msd, "optimizer": osd}
         else:
             state = {"model": get_model_state_dict(self.model)}
-        self._check_model_shapes(path, saved, state["model"])
+        self._check_model_shapes(path, saved, state["model"], lambda n: f"model.{n}")
         for part in parts - {"optimizer"}:
             state[part] = b""
         rng_key = f"rank{_rank()}"
@@ -476,11 +601,12 @@ class CheckpointManager:
         return state
 
     @staticmethod
-    def _check_model_shapes(path: Path, saved: dict, msd: dict) -> None:
-        """Name every missing or mis-shaped weight (e.g. a different model flavor) up front."""
+    def _check_model_shapes(path: Path, saved: dict, msd: dict, saved_key) -> None:
+        """Name every missing or mis-shaped weight (e.g. a different model flavor) up front;
+        `saved_key(name)` is the weight's key in the checkpoint."""
         problems = []
         for name, t in msd.items():
-            md = saved.get(f"model.{name}")
+            md = saved.get(saved_key(name))
             if md is None:
                 problems.append(f"{name}: missing")
             elif hasattr(md, "size") and tuple(md.size) != tuple(t.shape):

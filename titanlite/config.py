@@ -153,10 +153,18 @@ class Checkpoint:
     keep_latest_k: int = opt(0, "Keep only the newest K checkpoints (0 = keep all)", ge=0)
     load_step: int = opt(-1, "Step to resume from (-1 = newest)")
     initial_load_path: str = opt("", "Checkpoint to start from when the folder has none")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face safetensors folder")
+    initial_load_model_only: bool = opt(
+        True, "Load only the model from initial_load_path (off: optimizer, data, step too)"
+    )
     exclude_from_loading: list[str] = opt(
         [], "Parts not to load, e.g. optimizer,lr_scheduler", choices=EXCLUDABLE
     )
-    export_dtype: str = opt("float32", "Dtype of exported model weights", choices=DTYPE_CHOICES)
+    export_dtype: str = opt(
+        "float32", "Dtype of exported weights (last_save_model_only)", choices=DTYPE_CHOICES
+    )
+    last_save_model_only: bool = opt(False, "The last step's save: model weights in export_dtype")
+    last_save_in_hf: bool = opt(False, "The last step's save in Hugging Face format (safetensors)")
     async_mode: str = opt("disabled", "Save in the background", choices=("disabled", "async"))
     create_seed_checkpoint: bool = opt(False, "Write the initial weights as step 0 and exit")
 
@@ -420,6 +428,7 @@ def _check_combinations(cfg: JobConfig) -> None:
             f"--checkpoint.load_step {ckpt.load_step} needs --checkpoint.enable (resuming reads "
             "the run's own checkpoint folder)"
         )
+    _check_hf_options(ckpt)
     if ckpt.create_seed_checkpoint and (ckpt.initial_load_path or ckpt.load_step >= 0):
         raise ConfigError(
             "--checkpoint.create_seed_checkpoint writes fresh weights; it cannot be combined with "
@@ -460,6 +469,28 @@ def _check_combinations(cfg: JobConfig) -> None:
         raise ConfigError(
             "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
             f"(checkpoint every Nth block), got {option!r}"
+        )
+
+
+def _check_hf_options(ckpt: Checkpoint) -> None:
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
+        raise ConfigError(
+            "--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path (the folder "
+            "with config.json and *.safetensors)"
+        )
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
+        raise ConfigError(
+            "a Hugging Face folder holds only model weights: --checkpoint.initial_load_in_hf "
+            "needs checkpoint.initial_load_model_only = true"
+        )
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+        raise ConfigError(
+            "--checkpoint.last_save_in_hf writes only the model weights (the HF format has no "
+            "optimizer or data state): add --checkpoint.last_save_model_only"
+        )
+    if ckpt.last_save_model_only and not ckpt.enable:
+        raise ConfigError(
+            "--checkpoint.last_save_model_only shapes the last checkpoint: add --checkpoint.enable"
         )
 
 

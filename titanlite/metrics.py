@@ -249,17 +249,18 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
-def init_logger(rank: int, log_rank: int | None = None) -> None:
+def init_logger(rank: int, log_rank: int | None = None, stream=None) -> None:
     """Root logging: the log rank (LOG_RANK env, default 0) at INFO, every other rank WARNING only.
 
-    All output goes to stdout with the rank in each line so torchrun's interleaving stays readable.
+    All output goes to stdout (or `stream`: a script whose stdout is its result logs to stderr)
+    with the rank in each line so torchrun's interleaving stays readable.
     """
     if log_rank is None:
         log_rank = int(os.environ.get("LOG_RANK", "0"))
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(
         logging.Formatter(f"[r{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )

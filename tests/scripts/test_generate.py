@@ -1,0 +1,172 @@
+"""scripts/generate.py: greedy decoding is the model's own argmax (one process and TP 2), sampling
+is seeded and stays within top-k and the real vocabulary, and user mistakes stop before any
+weight is read."""
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import REPO, TINY_TRAIN, torchrun_script
+
+import train
+from titanlite.checkpoint_stream import single_process_quietly
+from titanlite.config import parse_args
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.models.llama.args import get_model_args
+from titanlite.models.llama.model import Transformer
+
+SCRIPT = REPO / "scripts" / "generate.py"
+_spec = importlib.util.spec_from_file_location("generate", SCRIPT)
+gen = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gen)
+
+PROMPT = "def main("
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{kind: (config.toml, step folder)}: a run trained one step with a full checkpoint (model,
+    optimizer, data position, ...) and a seed checkpoint (model only) of the same config."""
+    root = tmp_path_factory.mktemp("generate")
+    full = [*TINY_TRAIN, "--job.dump_folder", str(root / "full"), "--training.steps", "1"]
+    assert train.main([*full, "--checkpoint.enable"]) == 0
+    seed = [*TINY_TRAIN, "--job.dump_folder", str(root / "seed")]
+    assert train.main([*seed, "--checkpoint.create_seed_checkpoint"]) == 0
+    return {
+        "full": (root / "full" / "config.toml", root / "full" / "checkpoint" / "step-1"),
+        "model_only": (root / "seed" / "config.toml", root / "seed" / "checkpoint" / "step-0"),
+    }
+
+
+def generate_json(capsys, config, step_dir, *options) -> dict:
+    argv = ["--config", str(config), "--checkpoint", str(step_dir), "--prompt", PROMPT,
+            "--max_new_tokens", str(NEW), "--out", *options]  # fmt: skip
+    assert gen.main(argv) == 0
+    return json.loads(capsys.readouterr().out)["responses"][0]
+
+
+def argmax_tokens(config, step_dir, prompt_ids, n) -> list[int]:
+    """Step-by-step argmax of a plain one-process Transformer holding the checkpoint's weights,
+    over the tokenizer's ids (the padding rows of the vocabulary are no tokens)."""
+    cfg = parse_args(["--job.config_file", str(config)])
+    tokenizer = build_tokenizer(cfg.model)
+    model = Transformer(train.model_args_for(cfg, tokenizer)).eval()
+    weights = model.state_dict()
+    with single_process_quietly():
+        dcp.load({"model": weights}, checkpoint_id=str(step_dir), no_dist=True)
+    model.load_state_dict(weights)
+    tokens = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens]))[0, -1, : tokenizer.n_words]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt_ids) :]
+
+
+@pytest.mark.parametrize("kind", ["full", "model_only"])
+def test_greedy_is_the_models_argmax(runs, capsys, kind):
+    config, step_dir = runs[kind]
+    out = generate_json(capsys, config, step_dir, "--temperature", "0")
+    assert out["input_text"].endswith(PROMPT) and len(out["output_ids"]) == NEW
+    assert out["output_ids"] == argmax_tokens(config, step_dir, out["input_ids"], NEW)
+    tokenizer = build_tokenizer(parse_args(["--job.config_file", str(config)]).model)
+    assert out["output_text"] == tokenizer.decode(out["output_ids"])
+
+
+def test_sampling_is_seeded_and_top_1_is_greedy(runs, capsys):
+    config, step_dir = runs["full"]
+
+    def sample(*options):
+        return generate_json(capsys, config, step_dir, "--temperature", "1", *options)
+
+    first, again, other = sample("--seed", "1"), sample("--seed", "1"), sample("--seed", "2")
+    assert first["output_ids"] == again["output_ids"]
+    assert first["output_ids"] != other["output_ids"]
+    greedy = generate_json(capsys, config, step_dir, "--temperature", "0")
+    assert sample("--top_k", "1", "--seed", "3")["output_ids"] == greedy["output_ids"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gives_the_one_process_tokens(runs, capsys):
+    config, step_dir = runs["full"]
+    one = generate_json(capsys, config, step_dir, "--temperature", "0")
+    proc = torchrun_script(SCRIPT, "--config", config, "--checkpoint", step_dir,
+                           "--prompt", PROMPT, "--max_new_tokens", NEW, "--temperature", "0",
+                           "--out", nproc=2)  # fmt: skip
+    report = json.loads(proc.stdout)  # rank 0's report only: logs go to stderr
+    assert report["metadata"]["world_size"] == 2 and report["metadata"]["tp"] == 2
+    assert report["responses"][0]["output_ids"] == one["output_ids"]
+
+
+def test_next_token_keeps_to_top_k_and_the_real_vocabulary():
+    n_words = 10
+    logits = torch.arange(16.0).repeat(2, 1)  # [2, 16]: the 6 padding ids score highest
+    logits[1, 3] = 100.0
+    rng = torch.Generator().manual_seed(0)
+    greedy = gen.next_token(logits, 0.0, 0, n_words, rng)
+    assert greedy.tolist() == [9, 3]
+    drawn = torch.stack([gen.next_token(logits, 5.0, 3, n_words, rng) for _ in range(200)])
+    assert set(drawn[:, 0].tolist()) == {7, 8, 9}
+    assert set(drawn[:, 1].tolist()) <= {3, 8, 9}
+    everything = torch.stack([gen.next_token(logits, 50.0, 0, n_words, rng) for _ in range(300)])
+    assert everything.max() < n_words and len(set(everything[:, 0].tolist())) == n_words
+
+
+def test_tp_degree_must_divide_the_world_and_the_heads():
+    args = get_model_args("debugmodel", vocab_size=640, max_seq_len=32)  # 16 heads
+    with pytest.raises(ValueError, match="--tp 3 does not divide the number of processes"):
+        gen.tp_layout(3, 4, args)
+    with pytest.raises(ValueError, match=r"must divide both n_heads \(16\)"):
+        gen.tp_layout(3, 3, args)
+    assert gen.tp_layout(2, 4, args).tp == 2  # two TP groups compute the same tokens
+
+
+def _damaged(runs, tmp_path, what):
+    """A copy of the full checkpoint: partial (no marker), or with unreadable metadata."""
+    step_dir = tmp_path / "checkpoint" / "step-1"
+    shutil.copytree(runs["full"][1], step_dir)
+    if what == "partial":
+        (step_dir / "COMPLETE").unlink()
+    else:
+        (step_dir / ".metadata").write_bytes(b"not a pickle")
+    return step_dir
+
+
+@pytest.mark.parametrize(
+    "case, options, message",
+    [
+        ("config", [], "--config"),
+        ("missing", [], "does not exist"),
+        ("partial", [], "partial checkpoint"),
+        ("metadata", [], "cannot read checkpoint metadata"),
+        ("ok", ["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+        ("ok", ["--temperature", "-0.5"], "--temperature must be >= 0"),
+        ("ok", ["--top_k", "-1"], "--top_k must be >= 0"),
+        ("ok", ["--tp", "2"], "--tp 2 does not divide the number of processes (1)"),
+        ("ok", ["--max_new_tokens", "30"], "more than the model's max_seq_len 32"),
+    ],
+)  # fmt: skip
+def test_mistakes_stop_with_one_line_before_loading(
+    runs, tmp_path, capsys, monkeypatch, case, options, message
+):
+    config, step_dir = runs["full"]
+    if case == "config":
+        config = tmp_path / "config.toml"
+    elif case == "missing":
+        step_dir = tmp_path / "step-9"
+    elif case in ("partial", "metadata"):
+        step_dir = _damaged(runs, tmp_path, case)
+
+    def no_load(*_):
+        raise AssertionError("weights loaded despite a user mistake")
+
+    monkeypatch.setattr(gen, "load_weights", no_load)
+    argv = ["--config", str(config), "--checkpoint", str(step_dir), "--prompt", PROMPT, *options]
+    assert gen.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("generate: error:") and "\n" not in err, err
+    assert message in err, err

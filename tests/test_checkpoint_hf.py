@@ -1,0 +1,205 @@
+"""Hugging Face weights in and out of training runs, no conversion step: a run's last save in HF
+format is what transformers loads with the run's logits, a run started from an HF folder (one
+process, and FSDP on 2 processes) trains from its weights, heads split by FSDP shards load and
+save exactly, and bad inputs stop before training with one line."""
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import TINY_TRAIN, read_jsonl, run_train, torchrun_script
+from safetensors.torch import load_file, save_file
+
+import train
+from titanlite.checkpoint import MARKER, CheckpointManager, plan_load
+from titanlite.checkpoint_stream import single_process_quietly
+from titanlite.config import Checkpoint, parse_args
+from titanlite.hf import hf_files, to_hf, write_hf_config
+from titanlite.models.llama.args import ModelArgs
+from titanlite.models.llama.model import Transformer
+
+pytestmark = pytest.mark.slow  # every test here runs train.py or torchrun
+
+ONE_STEP = [*TINY_TRAIN, "--training.steps", "1", "--checkpoint.enable"]
+FROM_HF0 = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"]
+LAST_IN_HF = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
+
+
+def tiny_model() -> Transformer:
+    """The plain one-process model of the tiny runs' config."""
+    cfg = parse_args(TINY_TRAIN)
+    return Transformer(train.model_args_for(cfg, train.build_tokenizer(cfg.model))).eval()
+
+
+def load_dcp_model(model: Transformer, step_dir: Path) -> Transformer:
+    weights = model.state_dict()
+    with single_process_quietly():
+        dcp.load({"model": weights}, checkpoint_id=str(step_dir), no_dist=True)
+    model.load_state_dict(weights)
+    return model
+
+
+def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for f in sorted(set(hf_files(folder).values())):
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def first_loss(dump: Path) -> float:
+    return read_jsonl(dump / "metrics.jsonl")[0]["loss"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """hf0: the weights every fresh tiny run draws (its seed checkpoint), as one safetensors
+    file. ref: a fresh run of one step whose last save is its weights in DCP. hf1 / hf2: the
+    same step started from hf0 in one process / FSDP on 2 (exported in bfloat16), last save
+    in HF."""
+    root = tmp_path_factory.mktemp("hf_runs")
+    seed = [*TINY_TRAIN, "--job.dump_folder", str(root / "seed")]
+    assert train.main([*seed, "--checkpoint.create_seed_checkpoint"]) == 0
+    model = load_dcp_model(tiny_model(), root / "seed" / "checkpoint" / "step-0")
+    (root / "hf0").mkdir()
+    save_file(to_hf(model.state_dict(), model.args, torch.float32),
+              str(root / "hf0" / "model.safetensors"))  # fmt: skip
+    write_hf_config(root / "hf0", model.args, "float32")
+
+    ref = [*ONE_STEP, "--checkpoint.last_save_model_only", "--job.dump_folder", str(root / "ref")]
+    assert train.main(ref) == 0
+    from_hf0 = [*ONE_STEP, *LAST_IN_HF, *FROM_HF0, str(root / "hf0")]
+    assert train.main([*from_hf0, "--job.dump_folder", str(root / "hf1")]) == 0
+    bf16 = ["--checkpoint.export_dtype", "bfloat16"]
+    run_train([*from_hf0, *bf16, "--job.dump_folder", str(root / "hf2")], nproc=2)
+    return {name: root / name for name in ("hf0", "ref", "hf1", "hf2")}
+
+
+def test_last_save_in_hf_is_what_transformers_loads_with_the_runs_logits(runs):
+    transformers = pytest.importorskip("transformers")
+    ours = load_dcp_model(tiny_model(), runs["ref"] / "checkpoint" / "step-1")
+    export = runs["hf1"] / "checkpoint" / "step-1"
+    # the same weights as the run that saved them in DCP, in HF's names and row order
+    want = to_hf(ours.state_dict(), ours.args, torch.float32)
+    got = hf_weights(export)
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+    hf = transformers.LlamaForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 32))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-4
+    marker = json.loads((export / MARKER).read_text())
+    assert marker == {"step": 1, "model_only": True, "format": "hf", "dtype": "float32"}
+    assert not (export / "sharded").exists()
+
+
+def test_a_run_started_from_an_hf_folder_trains_from_its_weights(runs):
+    # hf0 holds the weights a fresh run draws: the first step's loss is the fresh run's.
+    ref = first_loss(runs["ref"])
+    assert first_loss(runs["hf1"]) == ref
+    assert first_loss(runs["hf2"]) == pytest.approx(ref, rel=1e-5)
+    # FSDP's export, in bfloat16, is the one-process weights rounded to bfloat16
+    one, two = (
+        hf_weights(runs["hf1"] / "checkpoint" / "step-1"),
+        hf_weights(runs["hf2"] / "checkpoint" / "step-1"),
+    )
+    assert one.keys() == two.keys()
+    for name, w in one.items():
+        assert two[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(two[name].float(), w, rtol=2**-7, atol=1e-6, msg=name)
+
+
+def test_bad_inputs_stop_before_training_with_one_line(runs, tmp_path, capsys):
+    hf0, dcp_dir = runs["hf0"], runs["ref"] / "checkpoint" / "step-1"
+    empty, heads, short = tmp_path / "empty", tmp_path / "heads", tmp_path / "short"
+    for folder in (empty, heads, short):
+        folder.mkdir()
+        (folder / "config.json").write_text((hf0 / "config.json").read_text())
+    (heads / "model.safetensors").symlink_to(hf0 / "model.safetensors")
+    cfg = json.loads((hf0 / "config.json").read_text())
+    (heads / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 8}))
+    weights = load_file(str(hf0 / "model.safetensors"))  # another vocabulary's output layer
+    save_file({**weights, "lm_head.weight": weights["lm_head.weight"][:512].clone()},
+              str(short / "model.safetensors"))  # fmt: skip
+    cases = [
+        ([*FROM_HF0, str(tmp_path / "nope")], "does not exist"),
+        ([*FROM_HF0, str(empty)], "needs config.json and *.safetensors"),
+        ([*FROM_HF0, str(dcp_dir)], "is a DCP checkpoint, not a Hugging Face folder"),
+        (["--checkpoint.initial_load_path", str(hf0)], "add --checkpoint.initial_load_in_hf"),
+        ([*FROM_HF0, str(hf0), "--no-checkpoint.initial_load_model_only"], "holds only model"),
+        (["--checkpoint.last_save_in_hf"], "add --checkpoint.last_save_model_only"),
+        ([*FROM_HF0, str(heads)], "has 8 attention / 16 key-value heads, the model 16 / 16"),
+        ([*FROM_HF0, str(short)], "output.weight: saved (512, 256), model (640, 256)"),
+    ]
+    for args, msg in cases:
+        argv = [*ONE_STEP, *args, "--job.dump_folder", str(tmp_path / "run")]
+        assert train.main(argv) == 2, args
+        out, err = capsys.readouterr()
+        lines = [line for line in err.splitlines() if line.startswith("titanlite: error:")]
+        assert len(lines) == 1 and msg in lines[0], (args, err[-2000:])
+        assert "training from step" not in out, args
+
+
+# Heads split between FSDP shards: wk has one 32-row head, each of 2 ranks holds 16 of its rows.
+SPLIT_HEADS = ModelArgs(
+    dim=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=256, multiple_of=32, max_seq_len=32
+)
+
+
+def worker(root: str) -> None:
+    """On 2 gloo ranks: load an HF folder into an FSDP model whose shards split a head, check
+    it holds the weights exactly, save it back in HF format, check the files equal the source."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titanlite.distributed import destroy
+
+    root = Path(root)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    ref = Transformer(SPLIT_HEADS)
+    ref.init_weights()
+    src = root / "src"
+    if dist.get_rank() == 0:
+        src.mkdir()
+        save_file(
+            to_hf(ref.state_dict(), SPLIT_HEADS, torch.float32), str(src / "model.safetensors")
+        )
+        write_hf_config(src, SPLIT_HEADS, "float32")
+    dist.barrier()
+    with torch.device("meta"):
+        model = Transformer(SPLIT_HEADS)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu").init_buffers("cpu")
+    cfg = replace(Checkpoint(), enable=True, initial_load_path=str(src), initial_load_in_hf=True,
+                  last_save_model_only=True, last_save_in_hf=True)  # fmt: skip
+    mgr = CheckpointManager(cfg, root / "run", model, None, None, None, None, last_step=1)
+    assert mgr.load(plan_load(cfg, root / "run")) == 0
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    mgr.save(1)
+    mgr.close()
+    if dist.get_rank() == 0:
+        for name, w in ref.state_dict().items():
+            assert torch.equal(full[name], w), name
+        saved, source = hf_weights(root / "run" / "checkpoint" / "step-1"), hf_weights(src)
+        assert saved.keys() == source.keys()
+        for name, w in source.items():
+            assert torch.equal(saved[name], w), name
+    destroy()
+
+
+def test_fsdp_shards_that_split_a_head_load_and_save_exactly(tmp_path):
+    torchrun_script(__file__, tmp_path, nproc=2)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
