@@ -205,6 +205,9 @@ def model_args_for(cfg: JobConfig, tokenizer) -> ModelArgs:
         vocab_size=pad_vocab(tokenizer.n_words),
         max_seq_len=cfg.training.seq_len,
         use_scaled_rope=cfg.model.use_scaled_rope,
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+        document_masking=cfg.model.document_masking,
     )
 
 

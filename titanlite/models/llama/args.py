@@ -16,6 +16,11 @@ class ModelArgs:
     rope_theta: float = 500000.0
     use_scaled_rope: bool = False  # Llama 3.1 long-context RoPE frequency scaling
     max_seq_len: int = 2048
+    # Document masking: tokens attend only within their own document of a packed sequence (as
+    # Llama 3 was trained); a document starts at a bos_id right after an eos_id.
+    document_masking: bool = False
+    bos_id: int = -1
+    eos_id: int = -1
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -26,6 +31,8 @@ class ModelArgs:
             )
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got dim/n_heads = {self.head_dim}")
+        if self.document_masking and min(self.bos_id, self.eos_id) < 0:
+            raise ValueError("document_masking needs the tokenizer's bos_id and eos_id")
 
     @property
     def head_dim(self) -> int:
@@ -77,19 +84,31 @@ def pad_vocab(n: int, multiple: int = 128) -> int:
     return multiple * ((n + multiple - 1) // multiple)
 
 
+# torchtitan's name for a flavor with document masking (it uses flex attention for it).
+DOCUMENT_MASKING_SUFFIX = "_flex_attn"
+
+
 def get_model_args(
-    flavor: str, vocab_size: int, max_seq_len: int, use_scaled_rope: bool = False
+    flavor: str, vocab_size: int, max_seq_len: int, use_scaled_rope: bool = False, **overrides
 ) -> ModelArgs:
-    """The flavor's ModelArgs with the run's vocab and sequence length.
+    """The flavor's ModelArgs with the run's vocab and sequence length (and `overrides`).
 
     use_scaled_rope=True turns scaling on; flavors trained with it (1B, 3B) keep it regardless.
+    A flavor named with the suffix "_flex_attn" is the base flavor with document masking.
     """
-    if flavor not in LLAMA3_FLAVORS:
-        raise ValueError(f"unknown model flavor {flavor!r}; available: {', '.join(LLAMA3_FLAVORS)}")
-    base = LLAMA3_FLAVORS[flavor]
+    name = flavor.removesuffix(DOCUMENT_MASKING_SUFFIX)
+    if name not in LLAMA3_FLAVORS:
+        raise ValueError(
+            f"unknown model flavor {flavor!r}; available: {', '.join(LLAMA3_FLAVORS)}, each also "
+            f"with {DOCUMENT_MASKING_SUFFIX} (document masking)"
+        )
+    base = LLAMA3_FLAVORS[name]
+    if name != flavor:
+        overrides["document_masking"] = True
     return replace(
         base,
         vocab_size=vocab_size,
         max_seq_len=max_seq_len,
         use_scaled_rope=base.use_scaled_rope or use_scaled_rope,
+        **overrides,
     )

@@ -39,11 +39,12 @@ def gather_sequence(x: torch.Tensor, group, cp: int, dim: int) -> torch.Tensor:
     return torch.cat(ordered, dim=dim)
 
 
-def cp_attention(q, k, v, *, group, cp: int, rank: int) -> torch.Tensor:
+def cp_attention(q, k, v, mask=None, *, group, cp: int, rank: int) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence's K and V.
 
     q [b, hq, 2c, hd], k and v [b, hkv, 2c, hd] (this rank's chunks) -> [b, hq, 2c, hd].
     """
+    assert mask is None, "document masking under CP is refused by ParallelDims.validate_model"
     k = gather_sequence(k, group, cp, dim=2)  # [b, hkv, 2c, hd] -> [b, hkv, S, hd]
     v = gather_sequence(v, group, cp, dim=2)  # [b, hkv, 2c, hd] -> [b, hkv, S, hd]
     c = q.shape[2] // 2

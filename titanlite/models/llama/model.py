@@ -66,8 +66,9 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)  # [b, s, h, hd/2, 2] -> [b, s, h, hd]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA of q [b, hq, s, hd] over k, v [b, hkv, s, hd] -> [b, hq, s, hd].
+def causal_attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal SDPA of q [b, hq, s, hd] over k, v [b, hkv, s, hd] -> [b, hq, s, hd]; with `mask`
+    [b, 1, s, s] (True = attend, causal already) instead of the plain causal one.
 
     GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order).
     """
@@ -75,14 +76,28 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
         v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
+def document_causal_mask(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
+    """[b, s] tokens of packed documents -> [b, 1, s, s] mask: causal within each document.
+
+    A document starts at a bos right after an eos (not at every bos: some tokenizers use one
+    token for both, and then only the pair marks a boundary).
+    """
+    starts = (tokens[:, 1:] == bos_id) & (tokens[:, :-1] == eos_id)  # [b, s-1]
+    doc = F.pad(starts.cumsum(dim=1), (1, 0))  # [b, s]: document index of each token
+    s = tokens.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+    return (doc[:, :, None] == doc[:, None, :]).logical_and(causal).unsqueeze(1)
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        # (q, k, v) -> attention output; context parallelism swaps in one over gathered k, v.
+        # (q, k, v, mask) -> attention output; context parallelism swaps in one over gathered
+        # k and v.
         self.attend = causal_attention
         kv_dim = args.num_kv_heads * args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
@@ -90,7 +105,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask=None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, dim] -> [b, s, hq, hd]
@@ -98,7 +113,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)  # [b, s, kv_dim] -> [b, s, hkv, hd]
         q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, s, h, hd] -> [b, h, s, hd]
-        out = self.attend(q, k, v)  # [b, hq, s, hd]
+        out = self.attend(q, k, v, mask)  # [b, hq, s, hd]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, hq, s, hd] -> [b, s, hq * hd]
         return self.wo(out)
 
@@ -125,8 +140,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -205,9 +220,12 @@ class Transformer(nn.Module):
             )
         # [max_seq_len, hd] -> [s, hd]
         rope_cache = self.rope_cache[:seq_len] if positions is None else self.rope_cache[positions]
+        mask = None
+        if self.args.document_masking:
+            mask = document_causal_mask(tokens, self.args.bos_id, self.args.eos_id)
         h = self.tok_embeddings(tokens)  # [b, s, dim]
         for layer in self.layers.values():
-            h = layer(h, rope_cache)
+            h = layer(h, rope_cache, mask)
         h = self.norm(h)
         if labels is None:
             return self.output(h)

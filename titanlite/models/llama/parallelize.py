@@ -103,8 +103,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) 
     model.chunked_loss = tp_linear_cross_entropy_sum  # the output weight is now vocab-sharded
     block_plan = {
         "attention_norm": SequenceParallel(),
+        # (x, rope_cache, document mask or None): only x is a sequence-parallel activation.
         "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
