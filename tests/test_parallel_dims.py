@@ -72,6 +72,9 @@ def test_cp_needs_two_chunks_per_rank():
     args = ModelArgs(dim=256, n_layers=2, n_heads=16, n_kv_heads=4, vocab_size=512, max_seq_len=36)
     ParallelDims(1, 1, 1, 3, cp=3).validate_model(args)  # 6 chunks of 6 tokens
     ParallelDims(1, 1, 1, 1).validate_model(replace(args, max_seq_len=35))  # no CP: any length
+    masked = replace(args, document_masking=True, bos_id=1, eos_id=2)
+    with pytest.raises(ValueError, match="document masking .* does not work with context par"):
+        ParallelDims(1, 1, 1, 3, cp=3).validate_model(masked)
     with pytest.raises(ValueError, match=r"seq_len \(36\) must be divisible by 2 x cont.* \(8\)"):
         ParallelDims(1, 1, 1, 4, cp=4).validate_model(args)
 
