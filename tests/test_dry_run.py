@@ -37,7 +37,7 @@ def test_dry_run_builds_only_this_ranks_share(tmp_path, flavor, world, tp):
     run([*args, "--job.dump_folder", str(tmp_path)])
     report = json.loads((tmp_path / "dry_run.json").read_text())
     assert (report["world_size"], report["rank"]) == (world, 3)
-    assert f"dp_shard={world // tp}, tp={tp}" in report["layout"]
+    assert f"dp_shard={world // tp}, cp=1, tp={tp}" in report["layout"]
     # FSDP pads uneven dims (the norms) by at most a row per parameter.
     assert report["params_local"] == pytest.approx(report["params_total"] / world, rel=0.01)
     cfg = parse_args(args)

@@ -57,6 +57,7 @@ class ParallelDims:
         self._dp_mesh: DeviceMesh | None = None
         self._loss_mesh: DeviceMesh | None = None
         self._fsdp_mesh: DeviceMesh | None = None
+        self._counts_step_tokens: bool | None = None
 
     def __repr__(self) -> str:
         return (
@@ -145,6 +146,8 @@ class ParallelDims:
             self._fsdp_mesh = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
         if self.hsdp_enabled:
             self._fsdp_mesh = mesh[("dp_replicate", self._fsdp_mesh.mesh_dim_names[0])]
+        # Asked every step: slicing the mesh then would cost host syncs.
+        self._counts_step_tokens = mesh["tp"].get_local_rank() == 0 == mesh["cp"].get_local_rank()
         return mesh
 
     def _mesh(self) -> DeviceMesh:
@@ -178,8 +181,8 @@ class ParallelDims:
     def counts_step_tokens(self) -> bool:
         """Whether this rank adds its labels to the step's token count (counted before the CP
         split): TP and CP peers hold the same labels, so only the first of each group does."""
-        mesh = self._mesh()
-        return mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0
+        assert self._counts_step_tokens is not None, "call build_mesh() first"
+        return self._counts_step_tokens
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
