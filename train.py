@@ -28,7 +28,14 @@ import torch
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load, publish
 from titanlite.checkpoint_stream import LazyTensor, save_lazily
-from titanlite.config import ConfigError, JobConfig, dump_toml, parse_args, resolve_global_batch
+from titanlite.config import (
+    ConfigError,
+    JobConfig,
+    check_early_step_batch,
+    dump_toml,
+    parse_args,
+    resolve_global_batch,
+)
 from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import (
@@ -38,6 +45,12 @@ from titanlite.distributed import (
     init_distributed,
     init_fake_distributed,
     world_sum,
+)
+from titanlite.float8 import (
+    check_float8,
+    check_float8_device,
+    float8_after_optimizer_step,
+    maybe_convert_float8,
 )
 from titanlite.loss import IGNORE_INDEX
 from titanlite.memory_estimate import GIB, estimate, setup_from_config
@@ -57,7 +70,7 @@ from titanlite.models.llama.parallelize import (
     parallelize_llama,
 )
 from titanlite.models.tiled_init import fill_
-from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
 from titanlite.precision import DTYPES, resolve_param_dtype
 from titanlite.preemption import Preemption
@@ -196,6 +209,8 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     args = model_args_for(cfg, tokenizer)
     pd.validate_model(args, p)
     global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
+    check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
+    check_float8(cfg, pd)
     return JobLayout(pd, tokenizer, args, global_batch_size, num_microbatches)
 
 
@@ -216,6 +231,7 @@ def build_model(cfg, model_args, parallel_dims, compute_dtype, device) -> torch.
     initialized): no rank ever holds the full unsharded model."""
     with torch.device("meta"):
         model = Transformer(model_args)
+    maybe_convert_float8(model, cfg)  # before TP and FSDP, which handle float8 linears
     parallelize_llama(
         model,
         parallel_dims,
@@ -224,8 +240,10 @@ def build_model(cfg, model_args, parallel_dims, compute_dtype, device) -> torch.
         parallelism_cfg=cfg.parallelism,
         ac_cfg=cfg.activation_checkpoint,
         compile_cfg=cfg.compile,
+        cpu_offload=cfg.training.enable_cpu_offload,
     )
-    return model.to_empty(device=device).train()
+    # CPU offload keeps the shards in host memory; init_model draws them on the device.
+    return model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else device).train()
 
 
 def init_model(model, seed: int, device, draw_weights: bool) -> None:
@@ -245,6 +263,7 @@ class Trainer:
         t, ckpt = cfg.training, cfg.checkpoint
         self.rank, _, self.world_size, self.device = dist_env
         job = check_job(cfg, self.world_size)
+        check_float8_device(cfg, self.device)  # not in the dry run, whose CPU plays the GPUs
         pd = self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
@@ -274,6 +293,10 @@ class Trainer:
             vocab, self.world_size, pd, self.compute_dtype,
         )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.after_optimizer_step = float8_after_optimizer_step(cfg)
+        self.step_in_backward = None
+        if cfg.optimizer.early_step_in_backward:
+            self.step_in_backward = StepInBackward(self.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.state = TrainState()
         self.checkpointer = CheckpointManager(
@@ -353,12 +376,18 @@ class Trainer:
             self.model, microbatches, 1.0 / tokens, chunk_tokens=self.cfg.loss.chunk_tokens,
             sync_only_last=self.sync_only_last, context=self.model_context,
         )  # fmt: skip
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        if self.step_in_backward is None:
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        else:  # every parameter was stepped in backward; the hooks summed the norm
+            grad_norm = self.step_in_backward.grad_norm()
         # The step's one host sync. A NaN/inf anywhere makes the global norm non-finite on every
-        # rank, so all ranks take the same branch and bad weights are never stepped into.
-        finite, stop = torch.stack([grad_norm.isfinite(), stop_votes > 0]).tolist()
+        # rank, so all ranks take the same branch and bad weights are never stepped into (or,
+        # stepped in backward, never trained on or saved). CPU offload: the norm is on the CPU.
+        finite = grad_norm.isfinite().to(device, non_blocking=True)
+        finite, stop = torch.stack([finite, stop_votes > 0]).tolist()
         if finite:
-            self.optimizer.step()
+            self.optimizer.step()  # after a step in backward no gradient is left: a no-op
+            self.after_optimizer_step(self.model)
         else:
             self.on_nonfinite(loss_sum, tokens, grad_norm)
         self.scheduler.step()
@@ -369,17 +398,20 @@ class Trainer:
     def on_nonfinite(self, loss_sum, tokens, grad_norm):
         step = self.state.step + 1  # the step being taken, numbered as in the logs
         loss = dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens
+        # Stepped in backward, the update is done (the config refuses on_nonfinite skip with it).
+        early = self.step_in_backward is not None
+        taken = "already taken in backward, with those gradients" if early else "not taken"
         msg = (
             f"non-finite values at step {step}: loss {loss.item():.6g}, "
-            f"grad norm {grad_norm.item():.6g}; the optimizer step was not taken"
+            f"grad norm {grad_norm.item():.6g}; the optimizer step was {taken}"
         )
         if self.cfg.training.on_nonfinite == "skip":
             self.state.skipped_steps += 1
             logger.warning("%s (skipped; %d skipped so far)", msg, self.state.skipped_steps)
             return
+        skip = "" if early else ", or set --training.on_nonfinite skip"
         raise NonFiniteError(
-            f"{msg}. The last checkpoint is untouched. Lower optimizer.lr, check the data, or "
-            f"set --training.on_nonfinite skip."
+            f"{msg}. The last checkpoint is untouched. Lower optimizer.lr or check the data{skip}."
         )
 
     def train_metrics(self, window: LogWindow) -> dict:
@@ -490,7 +522,7 @@ def main(argv=None) -> int:
         except (ConfigError, ValueError, FileNotFoundError) as e:
             print(f"titanlite: error: {e}", file=sys.stderr)
             return 2
-    dist_env = init_distributed()
+    dist_env = init_distributed(cpu_backend=cfg.training.enable_cpu_offload)
     rank = dist_env[0]
     init_logger(rank, int(os.environ.get("LOG_RANK", 0)))
     torch.manual_seed(cfg.training.seed)

@@ -164,12 +164,15 @@ def test_range_checked_in_toml(tmp_path):
 
 def test_help_lists_every_section_and_field(capsys):
     text = format_help()
-    for section in dataclasses.fields(JobConfig):
-        assert f"[{section.name}]" in text
-        for f in dataclasses.fields(section.type):
-            assert f"--{section.name}.{f.name} " in text
-            assert f.metadata["help"] in text
+    sections = [f.name for f in dataclasses.fields(JobConfig)]
+    assert set(sections) < set(config.TABLES) and "training.dataloader" in config.TABLES
+    for table in config.TABLES:
+        assert f"[{table}]" in text
+    for name, f in config.OPTIONS.items():
+        assert f"--{name} " in text
+        assert f.metadata["help"] in text
     assert "--training.steps INT  (default: 10000)" in text
+    assert "--training.dataloader.num_workers INT  (default: 0)" in text
     assert "{linear|sqrt|cosine}" in text
     with pytest.raises(SystemExit) as info:
         parse_args(["--training.steps", "3", "--help"])
@@ -256,3 +259,50 @@ def test_global_batch_that_does_not_split_names_the_fix(global_):
     training = config.Training(local_batch_size=2, global_batch_size=global_)
     with pytest.raises(ConfigError, match=r"local_batch_size \(2\) x data-parallel degree \(2\)"):
         config.resolve_global_batch(training, 2)
+
+
+def test_nested_table_training_dataloader(tmp_path):
+    """torchtitan's [training.dataloader]: a table in a section, in TOML (either spelling), on
+    the command line and through config.toml."""
+    for text in (
+        "[training.dataloader]\nnum_workers = 2\nprefetch_factor = 4\n",
+        "[training]\nsteps = 5\ndataloader.num_workers = 2\ndataloader.prefetch_factor = 4\n",
+    ):
+        dl = parse_args(["--job.config_file", str(write(tmp_path, text))]).training.dataloader
+        assert (dl.num_workers, dl.prefetch_factor) == (2, 4)
+    argv = ["--training.dataloader.num_workers", "3", "--no-training.dataloader.pin_memory"]
+    cfg = parse_args(argv)
+    assert cfg.training.dataloader == config.DataLoader(num_workers=3, pin_memory=False)
+    dump_toml(cfg, tmp_path / "out.toml")
+    assert "[training.dataloader]" in (tmp_path / "out.toml").read_text()
+    loaded = parse_args(["--job.config_file", str(tmp_path / "out.toml")])
+    assert loaded.training.dataloader == cfg.training.dataloader
+    assert JobConfig().training.dataloader is not cfg.training.dataloader
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[training.dataloader]\nnum_worker = 2\n", "did you mean training.dataloader.num_workers"),
+        ("[training.dataloadr]\nnum_workers = 2\n", "unknown section [training.dataloadr]"),
+        ("[training]\ndataloader = 2\n", "must be a [training.dataloader] table"),
+        ("[training.dataloader]\nnum_workers = -1\n", "num_workers must be >= 0, got -1"),
+        ("[training.dataloader]\nnum_workers = 'two'\n", "num_workers expects an int"),
+    ],
+)  # fmt: skip
+def test_nested_table_mistakes_in_toml(tmp_path, text, expected):
+    assert expected in error(["--job.config_file", str(write(tmp_path, text))])
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.dataloader.num_workers", "-1"], "num_workers must be >= 0, got -1"),
+        (["--training.num_workers", "2"], "did you mean --training.dataloader.num_workers?"),
+        (["--training.dataloader.prefetch_factor", "2"], "set --training.dataloader.num_workers N"),
+        (["--training.dataloader.persistent_workers"], "set --training.dataloader.num_workers N"),
+    ],
+)  # fmt: skip
+def test_dataloader_mistakes_are_one_line(argv, expected):
+    msg = error(argv)
+    assert expected in msg and "\n" not in msg

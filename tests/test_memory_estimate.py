@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from titanlite.config import parse_args
 from titanlite.memory_estimate import (
     GIB,
     MemorySetup,
@@ -13,6 +14,7 @@ from titanlite.memory_estimate import (
     estimate,
     loss_bytes,
     param_counts,
+    setup_from_config,
 )
 from titanlite.models.llama.args import ModelArgs
 
@@ -116,6 +118,21 @@ def test_chunked_loss_reduces_loss_memory():
     assert plain == 64 * 4096 * 14
     assert chunked == 8 * 4096 * 6 + 64 * 64 * 4 + 4096 * 64 * 2
     assert chunked < plain
+
+
+def test_cpu_offload_keeps_params_grads_and_states_off_the_device():
+    """Only the step's working set stays: FSDP's gathered weights, activations, the loss."""
+    kept = ("unsharded weights / casts", "activations (AC none)", "logits / loss")
+    for dp_shard in (1, 2):  # one rank too: FSDP then wraps the model just to offload it
+        fp32 = setup(dp_shard=dp_shard, param_dtype="float32")
+        offloaded = estimate(replace(fp32, cpu_offload=True)).rows
+        for key in ("params (fp32, sharded)", "grads (fp32, sharded)", "AdamW states (2 x fp32)"):
+            assert offloaded[key] == 0
+        assert offloaded[kept[0]] > 0
+        if dp_shard == 2:
+            assert [offloaded[k] for k in kept] == [estimate(fp32).rows[k] for k in kept]
+    cfg = parse_args(["--training.enable_cpu_offload"])
+    assert setup_from_config(cfg, world_size=2, vocab_size=128).cpu_offload
 
 
 def test_bad_setup_is_a_value_error():

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
 
 
 def sched_cfg(**kw):
@@ -63,3 +63,60 @@ def test_norm_weights_get_no_weight_decay():
     assert [p.shape for p in decayed["params"]] == [torch.Size([3, 3])]
     assert [p.shape for p in plain["params"]] == [torch.Size([3])]
     assert plain["weight_decay"] == 0.0
+
+
+BATCHES = torch.randn(4, 16, 4, generator=torch.Generator().manual_seed(0))
+
+
+def _tiny_run(steps, early, resume=None):
+    """AdamW steps of a small model (2-D weights decayed, 1-D not) under a warmup schedule, from
+    fixed weights and batches; from `resume` = (step, state) if given. Returns the model, its
+    optimizer and scheduler, and each step's gradient norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    opt = build_optimizer(model, opt_cfg(lr=1e-2))
+    sched = build_lr_scheduler(opt, sched_cfg(), total_steps=len(BATCHES))
+    hooks = StepInBackward(opt, torch.device("cpu")) if early else None
+    start = 0
+    if resume is not None:  # after the hooks exist, as in train.py
+        start, state = resume
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+    norms = []
+    for x in BATCHES[start : start + steps]:
+        model(x).square().sum().backward()
+        if early:
+            assert all(p.grad is None for p in model.parameters())  # freed as stepped
+            norms.append(hooks.grad_norm().item())
+        else:
+            grads = [
+                torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in model.parameters()
+            ]
+            norms.append(torch.linalg.vector_norm(torch.stack(grads)).item())
+            opt.step()
+            opt.zero_grad()
+        sched.step()
+    return model, opt, sched, norms
+
+
+def test_step_in_backward_equals_the_step_after_backward():
+    """The same AdamW update, bitwise (each parameter's foreach kernel computes each element as
+    the kernel over its whole group does), and the same gradient norm."""
+    model, _, _, norms = _tiny_run(3, early=False)
+    early_model, _, _, early_norms = _tiny_run(3, early=True)
+    for a, b in zip(model.parameters(), early_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert early_norms == pytest.approx(norms, rel=1e-7)  # fp64 sums, returned in fp32
+
+
+def test_step_in_backward_resumes_exactly():
+    """load_state_dict replaces the optimizer's group dicts: the hooks must step with the
+    restored groups, whose lr the scheduler keeps moving, not the ones they were built with."""
+    whole, _, _, _ = _tiny_run(4, early=True)
+    first, opt, sched, _ = _tiny_run(2, early=True)
+    state = {"model": first.state_dict(), "optimizer": opt.state_dict(),
+             "scheduler": sched.state_dict()}  # fmt: skip
+    resumed, _, _, _ = _tiny_run(2, early=True, resume=(2, state))
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -6,6 +6,7 @@ limits live in the field's metadata, so `--help`, parsing and validation all rea
 
 import dataclasses
 import difflib
+import functools
 import sys
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -62,6 +63,9 @@ class Model:
     vocab_limit: int = opt(0, "Keep only the first N BPE ranks (0 = all)", ge=0)
     use_scaled_rope: bool = opt(False, "Llama 3.1 RoPE frequency scaling")
     document_masking: bool = opt(False, "Attend only within each packed document (Llama 3)")
+    converters: list[str] = opt(
+        [], "Model converters applied before parallelism", choices=("quantize.linear.float8",)
+    )
 
 
 @dataclass
@@ -79,6 +83,9 @@ class Optimizer:
         "How the update runs over the parameters",
         choices=("foreach", "fused", "for-loop"),
     )
+    early_step_in_backward: bool = opt(
+        False, "Step each parameter as soon as its gradient is ready in backward, then free it"
+    )
 
 
 @dataclass
@@ -89,6 +96,22 @@ class LRScheduler:
     decay_ratio: float = opt(-1.0, "Fraction of steps in decay (-1 = all after warmup)")
     decay_type: str = opt("linear", "Shape of the decay", choices=("linear", "sqrt", "cosine"))
     min_lr_factor: float = opt(0.0, "Final lr as a fraction of the peak lr")
+
+
+@dataclass
+class DataLoader:
+    """Worker processes that make the training batches, as in torch's DataLoader."""
+
+    num_workers: int = opt(
+        0, "Processes that read and collate training batches (0 = a thread of each rank)", ge=0
+    )
+    pin_memory: bool = opt(True, "Hand batches over in pinned memory (only where CUDA is)")
+    persistent_workers: bool = opt(
+        False, "Keep the workers when the loader restarts (a resume); needs num_workers > 0"
+    )
+    prefetch_factor: int = opt(
+        0, "Microbatches each worker makes ahead (0 = torch's 2); needs num_workers > 0", ge=0
+    )
 
 
 @dataclass
@@ -130,6 +153,10 @@ class Training:
         "every", "Reduce gradients after every microbatch or the last", choices=("every", "last")
     )
     on_nonfinite: str = opt("stop", "On a NaN/inf loss or grad norm", choices=("stop", "skip"))
+    enable_cpu_offload: bool = opt(
+        False, "Keep FSDP's sharded params, grads and optimizer state in CPU memory"
+    )
+    dataloader: DataLoader = field(default_factory=DataLoader)
 
 
 @dataclass
@@ -244,6 +271,37 @@ class Comm:
 
 
 @dataclass
+class Float8:
+    """Float8 linears through torchao (with model.converters = ["quantize.linear.float8"])."""
+
+    enable_fsdp_float8_all_gather: bool = opt(False, "FSDP all-gathers weights in float8")
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "Compute every weight's float8 scale in one all-reduce after each optimizer step"
+    )
+    recipe_name: str = opt(
+        "tensorwise",
+        "Scaling recipe: one scale per tensor, per row, or per row with high-precision grad_weight",
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    )
+    filter_fqns: list[str] = opt(["output"], "Linears whose name contains one of these stay as is")
+    emulate: bool = opt(False, "Emulate float8 matmuls (any device; for testing)")
+
+
+@dataclass
+class QuantizeLinear:
+    """Quantized linear layers."""
+
+    float8: Float8 = field(default_factory=Float8)
+
+
+@dataclass
+class Quantize:
+    """Quantized training."""
+
+    linear: QuantizeLinear = field(default_factory=QuantizeLinear)
+
+
+@dataclass
 class JobConfig:
     """The whole run: one instance per section, named as in the TOML file."""
 
@@ -261,14 +319,29 @@ class JobConfig:
     loss: Loss = field(default_factory=Loss)
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
+    quantize: Quantize = field(default_factory=Quantize)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
 
-# "section.key" -> its dataclass Field, for every option.
-OPTIONS = {f"{s.name}.{f.name}": f for s in fields(JobConfig) for f in fields(s.type)}
-_SECTIONS = [s.name for s in fields(JobConfig)]
+def _option_fields(cls) -> list[dataclasses.Field]:
+    """A table's options: its fields that are not tables themselves."""
+    return [f for f in fields(cls) if not dataclasses.is_dataclass(f.type)]
+
+
+def _tables(cls, prefix: str = ""):
+    """(name, dataclass) of every TOML table under `cls`: the sections, each followed by the
+    tables nested in it (`training.dataloader`, written [training.dataloader] in TOML)."""
+    for f in fields(cls):
+        if dataclasses.is_dataclass(f.type):
+            yield prefix + f.name, f.type
+            yield from _tables(f.type, f"{prefix}{f.name}.")
+
+
+TABLES = dict(_tables(JobConfig))
+# "section.key" (or "section.table.key") -> its dataclass Field, for every option.
+OPTIONS = {f"{t}.{f.name}": f for t, cls in TABLES.items() for f in _option_fields(cls)}
 _TYPE_NAME = {str: "a string", int: "an int", float: "a float", bool: "a bool", list[str]: "a list"}
 _TYPE_LABELS = {str: "STR", int: "INT", float: "FLOAT", bool: "BOOL", list[str]: "LIST"}
 
@@ -345,23 +418,35 @@ def _apply_toml(cfg: JobConfig, path: Path) -> None:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    for section, table in data.items():
-        if section in _SECTIONS and not isinstance(table, dict):
-            raise ConfigError(f"{path}: {section} must be a [{section}] table, got {table!r}")
-        if not isinstance(table, dict):
-            hint = _suggest(section, list(OPTIONS))
-            raise ConfigError(f"{path}: top-level key {section!r} belongs in a [section]{hint}")
-        if section not in _SECTIONS:
-            raise ConfigError(f"{path}: unknown section [{section}]{_suggest(section, _SECTIONS)}")
-        for key, value in table.items():
-            name = f"{section}.{key}"
-            if name not in OPTIONS:
-                hint = _suggest(name, list(OPTIONS))
-                raise ConfigError(f"{path}: unknown key {name}{hint}")
+    _apply_table(cfg, path, data, "")
+
+
+def _apply_table(cfg: JobConfig, path: Path, table: dict, prefix: str) -> None:
+    """The keys of one TOML table: `prefix` is "" for the file's top level, else "name."."""
+    for key, value in table.items():
+        name = prefix + key
+        if name in TABLES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: {name} must be a [{name}] table, got {value!r}")
+            _apply_table(cfg, path, value, name + ".")
+        elif name in OPTIONS:
             where = f"{path}: {name}"
             value = _from_toml(OPTIONS[name], value, where)
             _check(OPTIONS[name], value, where)
-            setattr(getattr(cfg, section), key, value)
+            _set(cfg, name, value)
+        elif isinstance(value, dict):
+            raise ConfigError(f"{path}: unknown section [{name}]{_suggest(name, list(TABLES))}")
+        elif not prefix:
+            hint = _suggest(name, list(OPTIONS))
+            raise ConfigError(f"{path}: top-level key {name!r} belongs in a [section]{hint}")
+        else:
+            raise ConfigError(f"{path}: unknown key {name}{_suggest(name, list(OPTIONS))}")
+
+
+def _set(cfg: JobConfig, name: str, value: Any) -> None:
+    """Set option "section.key" (or "section.table.key") of cfg."""
+    *tables, key = name.split(".")
+    setattr(functools.reduce(getattr, tables, cfg), key, value)
 
 
 def _parse_cli(argv: list[str]) -> dict[str, Any]:
@@ -417,8 +502,7 @@ def parse_args(argv: list[str]) -> JobConfig:
         _apply_toml(cfg, path)
         overrides["job.config_file"] = str(path)
     for name, value in overrides.items():
-        section, key = name.split(".")
-        setattr(getattr(cfg, section), key, value)
+        _set(cfg, name, value)
     _check_combinations(cfg)
     return cfg
 
@@ -467,11 +551,37 @@ def _check_combinations(cfg: JobConfig) -> None:
             "validation of a streamed training.dataset_path needs validation.dataset_path: a "
             "stream has no end to hold out from"
         )
+    dl = t.dataloader
+    if dl.num_workers == 0 and (dl.persistent_workers or dl.prefetch_factor):
+        raise ConfigError(  # torch's DataLoader refuses them too without workers
+            "training.dataloader.persistent_workers and prefetch_factor apply to worker "
+            "processes: set --training.dataloader.num_workers N (N > 0) or leave them unset"
+        )
     option = ac.selective_ac_option
     if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError(
             "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
             f"(checkpoint every Nth block), got {option!r}"
+        )
+    _check_early_step(cfg.optimizer, t)
+
+
+def _check_early_step(optimizer: Optimizer, t: Training) -> None:
+    """A parameter stepped in backward is stepped before the other gradients exist: nothing
+    that needs the whole step's gradients can come first (accumulation: check_early_step_batch)."""
+    if not optimizer.early_step_in_backward:
+        return
+    if t.max_norm > 0:
+        raise ConfigError(
+            "--optimizer.early_step_in_backward steps each parameter before the other gradients "
+            "exist, so the global norm that clipping needs is not known yet: set "
+            "--training.max_norm 0"
+        )
+    if t.on_nonfinite == "skip":
+        raise ConfigError(
+            "--optimizer.early_step_in_backward has stepped every parameter by the time a "
+            "non-finite gradient norm is known, so the step cannot be skipped: use "
+            "--training.on_nonfinite stop"
         )
 
 
@@ -516,6 +626,18 @@ def resolve_global_batch(training: Training, dp_degree: int) -> tuple[int, int]:
     return g, g // per_step
 
 
+def check_early_step_batch(optimizer: Optimizer, training: Training, dp_degree: int) -> None:
+    """optimizer.early_step_in_backward steps in every backward: a step must be one microbatch."""
+    g, num_microbatches = resolve_global_batch(training, dp_degree)
+    if optimizer.early_step_in_backward and num_microbatches > 1:
+        raise ConfigError(
+            "--optimizer.early_step_in_backward steps in every backward, but a step here is "
+            f"{num_microbatches} microbatches per rank (gradient accumulation): set "
+            f"--training.local_batch_size {g // dp_degree} (global batch {g} / data-parallel "
+            f"degree {dp_degree}) for one"
+        )
+
+
 def format_help() -> str:
     """Every option grouped by section, with its type (or choices), default and help."""
     lines = [
@@ -525,15 +647,15 @@ def format_help() -> str:
         "Options: --section.key VALUE or --section.key=VALUE. Booleans: --section.key,",
         "--no-section.key, --section.key=true|false. Lists: comma-separated (a,b,c).",
     ]
-    for s in fields(JobConfig):
-        lines += ["", f"[{s.name}]  {s.type.__doc__}"]
-        for f in fields(s.type):
+    for table, cls in TABLES.items():
+        lines += ["", f"[{table}]  {cls.__doc__}"]
+        for f in _option_fields(cls):
             default = f.default_factory() if f.default is MISSING else f.default
             choices = f.metadata["choices"]
             kind = "{" + "|".join(choices) + "}" if choices else _TYPE_LABELS[f.type]
             if choices and f.type == list[str]:
                 kind = f"LIST of {kind}"
-            lines.append(f"  --{s.name}.{f.name} {kind}  (default: {default!r})")
+            lines.append(f"  --{table}.{f.name} {kind}  (default: {default!r})")
             lines.append(f"        {f.metadata['help']}")
     return "\n".join(lines)
 

@@ -15,13 +15,14 @@ from torch.distributed.tensor import DTensor
 from titanlite.host import cpus_per_local_rank
 
 
-def init_distributed() -> tuple[int, int, int, torch.device]:
+def init_distributed(cpu_backend: bool = False) -> tuple[int, int, int, torch.device]:
     """Start the process group; return (rank, local_rank, world, device).
 
-    cuda:{LOCAL_RANK} + nccl when CUDA is present, else cpu + gloo. Plain `python` (no RANK /
-    WORLD_SIZE in the environment) is a world of one rank with its own in-memory store: every
-    world, one included, has a process group, so meshes and FSDP's mixed precision exist in every
-    layout.
+    cuda:{LOCAL_RANK} + nccl when CUDA is present (plus gloo for CPU tensors with `cpu_backend`:
+    FSDP's CPU offload keeps gradients there, and the grad norm reduces them), else cpu + gloo.
+    Plain `python` (no RANK / WORLD_SIZE in the environment) is a world of one rank with its own
+    in-memory store: every world, one included, has a process group, so meshes and FSDP's mixed
+    precision exist in every layout.
     """
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0)) if launched else 0
@@ -29,7 +30,8 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched else 1
 
     if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        device = torch.device("cuda", local_rank)
+        backend = "cuda:nccl,cpu:gloo" if cpu_backend else "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"

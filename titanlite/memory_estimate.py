@@ -35,6 +35,10 @@ error):
   [vocab, dim] weight gradient in the weight's dtype. Loss parallel divides the vocab by tp.
 - torch.compile fuses elementwise ops and saves less; it is not modelled (an overestimate).
 - The foreach AdamW step allocates about one fp32 copy of the local parameters as temporaries.
+- CPU offload (FSDP's CPUOffloadPolicy): the sharded params, grads, AdamW states and the step's
+  temporaries live in host memory, none of it on the device; FSDP applies, as with bf16. The
+  device copies of one unit's shards before its all-gather (1/dp_shard of the unit) are left
+  out.
 """
 
 from dataclasses import dataclass, field
@@ -75,6 +79,7 @@ class MemorySetup:
     param_dtype: str = "bfloat16"
     loss_parallel: bool = False
     reshard_after_forward: str = "default"
+    cpu_offload: bool = False  # training.enable_cpu_offload
     device: str = "cuda"  # "cpu": no context allowance, no fragmentation factor
     overhead_gib: float | None = None  # None = DEFAULT_CUDA_OVERHEAD_GIB on cuda, 0 on cpu
 
@@ -92,10 +97,10 @@ class MemorySetup:
 
     @property
     def fsdp(self) -> bool:
-        # parallelize_llama applies FSDP with data or context parallelism or a compute dtype
-        # below fp32.
+        # parallelize_llama applies FSDP with data or context parallelism, a compute dtype
+        # below fp32, or CPU offload.
         sharded = self.dp_shard * self.cp > 1 or self.dp_replicate > 1
-        return sharded or self.param_dtype != "float32"
+        return sharded or self.param_dtype != "float32" or self.cpu_offload
 
     @property
     def local_tokens(self) -> int:
@@ -229,11 +234,12 @@ def estimate(s: MemorySetup) -> MemoryEstimate:
     default = DEFAULT_CUDA_OVERHEAD_GIB if cuda else 0.0
     overhead = s.overhead_gib if s.overhead_gib is not None else default
     est = MemoryEstimate(num_params=counts["total"])
-    est.rows["params (fp32, sharded)"] = local * 4
-    est.rows["grads (fp32, sharded)"] = local * 4
-    est.rows["AdamW states (2 x fp32)"] = local * 8
+    on_device = 0 if s.cpu_offload else local  # offloaded shards live in host memory
+    est.rows["params (fp32, sharded)"] = on_device * 4
+    est.rows["grads (fp32, sharded)"] = on_device * 4
+    est.rows["AdamW states (2 x fp32)"] = on_device * 8
     fwd_bwd = fsdp_buffer_bytes(counts, s) + activation_bytes(s) + loss_bytes(s)
-    optim_step = local * 4  # foreach temporaries
+    optim_step = on_device * 4  # foreach temporaries
     if fwd_bwd >= optim_step:
         est.rows["unsharded weights / casts"] = fsdp_buffer_bytes(counts, s) * frag
         est.rows[f"activations (AC {s.ac_mode})"] = activation_bytes(s) * frag
@@ -273,6 +279,7 @@ def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda
         param_dtype=_compute_dtype_name(t.mixed_precision_param, device),
         loss_parallel=p.enable_loss_parallel and pd.tp > 1,
         reshard_after_forward=p.fsdp_reshard_after_forward,
+        cpu_offload=t.enable_cpu_offload,
         device=device,
     )
 

@@ -35,11 +35,12 @@ from itertools import count, islice
 import numpy as np
 import torch
 
-from titanlite.config import Training, Validation
+from titanlite.config import DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import encode_documents, prepare_token_cache
 from titanlite.data.sources import TextSource, build_source, local_source
 from titanlite.data.store import TokenStore, is_store, open_prepared
+from titanlite.data.workers import Microbatches, WorkerSteps
 from titanlite.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -48,12 +49,21 @@ Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), both [rows, 
 _STREAM_DOCS_PER_CALL = 64  # fewer than the cache's 256: a hub stream's first batch comes sooner
 
 
+def _window(store: TokenStore, w: int, i: int) -> np.ndarray:
+    return store.token_range(i * w, (i + 1) * w)
+
+
+def _document(store: TokenStore, n: int, i: int) -> np.ndarray:
+    return store.document(i)[:n]
+
+
 def _cached_samples(store: TokenStore, seq_len: int, packing: bool):
-    """(get, count): get(i) is sample i of the store (a view; a copy if it spans two shards)."""
+    """(get, count): get(i) is sample i of the store (a view; a copy if it spans two shards).
+    `get` pickles (module functions, not lambdas) for workers started by spawn."""
     if packing:
         w = seq_len + 1  # windows do not overlap: the last label of one is not the next's input
-        return (lambda i: store.token_range(i * w, (i + 1) * w)), store.num_tokens // w
-    return (lambda i: store.document(i)[: seq_len + 1]), store.num_docs
+        return partial(_window, store, w), store.num_tokens // w
+    return partial(_document, store, seq_len + 1), store.num_docs
 
 
 def _stream_samples(source: TextSource, tokenizer, seq_len: int, packing: bool):
@@ -187,10 +197,11 @@ class _ShardStream:
 
 class TrainLoader:
     """`next_step()` returns this rank's microbatches for the next global step; a background
-    thread makes the step after it meanwhile. The state is the global step (plus what fixes the
-    data order, checked on resume), so a run can resume under any dp split. A sharded stream adds
-    this dp rank's stream position (`stream_state_dict()`), which resumes only under the same dp
-    degree."""
+    thread makes the step after it meanwhile, or with `dataloader.num_workers` > 0 worker
+    processes make the next microbatches (`titanlite.data.workers`: same batches, bitwise). The
+    state is the global step (plus what fixes the data order, checked on resume), so a run can
+    resume under any dp split and any worker count. A sharded stream adds this dp rank's stream
+    position (`stream_state_dict()`), which resumes only under the same dp degree."""
 
     def __init__(
         self,
@@ -202,6 +213,7 @@ class TrainLoader:
         local_batch_size: int,
         num_microbatches: int,
         order_state: dict,
+        dataloader: DataLoader,
     ):
         self.order, self.make_batch = order, make_batch
         self.dp_rank, self.dp_degree, self.local_batch_size = dp_rank, dp_degree, local_batch_size
@@ -214,10 +226,20 @@ class TrainLoader:
         self.sharded = isinstance(order, _ShardStream)
         # A sharded stream's position after the last step the trainer consumed.
         self._position = order.position() if self.sharded else None
-        self._pin = torch.cuda.is_available()
+        self._pin = dataloader.pin_memory and torch.cuda.is_available()
         self._step = 0  # the next global step the trainer will consume
         self._pending = None  # (step, Future) prepared by the background thread
+        # Starts its thread on the first submit: none with workers.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="titanlite-data")
+        self._workers = None
+        if dataloader.num_workers > 0:
+            assert not self.sharded, "build_train_loader refuses workers for a stream"
+            items = Microbatches(
+                order, make_batch, global_batch_size=self.global_batch_size,
+                rank_start=dp_rank * num_microbatches * local_batch_size,
+                local_batch_size=local_batch_size,
+            )  # fmt: skip
+            self._workers = WorkerSteps(items, num_microbatches, dataloader, self._pin)
 
     def _rows(self, step: int) -> list[np.ndarray]:
         per_rank = self.num_microbatches * self.local_batch_size
@@ -239,11 +261,14 @@ class TrainLoader:
 
     def next_step(self) -> list[Microbatch]:
         step = self._step
-        if self._pending is None or self._pending[0] != step:
-            self._pending = (step, self._executor.submit(self._produce, step))
-        batches, self._position = self._pending[1].result()
+        if self._workers is not None:
+            batches = self._workers.take(step)
+        else:
+            if self._pending is None or self._pending[0] != step:
+                self._pending = (step, self._executor.submit(self._produce, step))
+            batches, self._position = self._pending[1].result()
+            self._pending = (step + 1, self._executor.submit(self._produce, step + 1))
         self._step = step + 1
-        self._pending = (step + 1, self._executor.submit(self._produce, step + 1))
         return batches
 
     def state_dict(self) -> dict:
@@ -298,6 +323,8 @@ class TrainLoader:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._pending = None
+        if self._workers is not None:
+            self._workers.close()
 
 
 def dp_degree_changed(saved: int, now: int) -> str:
@@ -425,6 +452,13 @@ def build_train_loader(
     per_rank = num_microbatches * t.local_batch_size  # as resolve_global_batch split it
     assert global_batch_size == per_rank * dp_degree, (global_batch_size, per_rank, dp_degree)
     source = _source(t, val, "train")
+    if source.streaming and t.dataloader.num_workers > 0:
+        raise ValueError(
+            "training.dataloader.num_workers > 0 needs a token store: a streamed source is "
+            "tokenized in order by one reader whose exact position each checkpoint saves, which "
+            "worker processes cannot share; prepare the data with scripts/prepare_data.py and "
+            "train from that directory, or set num_workers 0"
+        )
     if source.streaming:
         order, num_samples = _shard_stream(source, tokenizer, t, dp_rank, dp_degree), -1
     else:
@@ -454,6 +488,7 @@ def build_train_loader(
         local_batch_size=t.local_batch_size,
         num_microbatches=num_microbatches,
         order_state=order_state,
+        dataloader=t.dataloader,
     )
 
 

@@ -93,6 +93,14 @@ class TokenStore:
         self._starts = np.cumsum([0] + [s["num_tokens"] for s in self.meta["shards"]])
         self._shard = lru_cache(maxsize=_MAX_OPEN_SHARDS)(self._open_shard)
 
+    def __getstate__(self) -> dict:
+        """Pickled for data workers started by spawn: the open shards stay behind."""
+        return {k: v for k, v in self.__dict__.items() if k != "_shard"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._shard = lru_cache(maxsize=_MAX_OPEN_SHARDS)(self._open_shard)
+
     def _open_shard(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         bin_name, idx_name = shard_files(k)
         tokens = np.memmap(self.path / bin_name, dtype=self.dtype, mode="r")

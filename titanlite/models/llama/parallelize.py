@@ -2,8 +2,9 @@
 Transformer, and initialize the parallelized (meta-built) model exactly like a single-process run.
 
 Order matters: TP first (it turns weights into DTensors on the TP mesh), CP swaps the attention
-kernel before AC and compile wrap the blocks, FSDP last so it shards the TP DTensors over the
-data-parallel (x CP) mesh (torchtitan order).
+kernel before AC and compile wrap the blocks (selective 'op' AC inside the compiled block, whole-
+block AC around it: see apply_ac), FSDP last so it shards the TP DTensors over the data-parallel
+(x CP) mesh (torchtitan order).
 """
 
 import contextlib
@@ -13,12 +14,17 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -26,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titanlite.float8 import tp_styles
 from titanlite.models.llama.context_parallel import cp_attention, split_inputs
 from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
 from titanlite.models.tiled_init import fill_
@@ -44,32 +51,40 @@ def parallelize_llama(
     reduce_dtype: torch.dtype,
     ac_cfg,
     compile_cfg,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Transform `model` in place (blocks may be replaced by wrappers) and return it.
 
     param_dtype / reduce_dtype are FSDP's compute and gradient-reduction dtypes, already resolved
-    (titanlite.precision.resolve_param_dtype for "auto").
+    (titanlite.precision.resolve_param_dtype for "auto"). With `cpu_offload` the caller must
+    materialize the parameters on the CPU (FSDP keeps the shards there).
     """
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.tp_mesh, parallelism_cfg.enable_loss_parallel)
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.cp_mesh)
-    if ac_cfg.mode != "none":
+    # The 'op' policy goes inside the compiled blocks, whole-block AC outside them (apply_ac).
+    ac_inside = ac_cfg.mode == "selective" and ac_cfg.selective_ac_option == "op"
+    if ac_inside:
         apply_ac(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
         apply_compile(model, compile_cfg.backend)
+    if ac_cfg.mode != "none" and not ac_inside:
+        apply_ac(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     # FSDP's policy is the only mixed-precision mechanism, in every layout: autocast keeps the
     # residual stream in fp32 and rounds differently (one process under it was 1.5e-4 off FSDP 4
     # after four bf16 steps of the debug model). Without data parallelism FSDP runs over a
-    # one-rank mesh, where it only casts.
+    # one-rank mesh, where it only casts (and, with cpu_offload, offloads: one GPU holding a
+    # model whose weights and AdamW state do not fit in its memory).
     mixed_precision = param_dtype != torch.float32 or reduce_dtype != torch.float32
-    if parallel_dims.fsdp_enabled or mixed_precision:
+    if parallel_dims.fsdp_enabled or mixed_precision or cpu_offload:
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             reshard_after_forward=parallelism_cfg.fsdp_reshard_after_forward,
+            cpu_offload=cpu_offload,
         )
     return model
 
@@ -101,23 +116,25 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) 
     }
     parallelize_module(model, tp_mesh, root_plan)
     model.chunked_loss = tp_linear_cross_entropy_sum  # the output weight is now vocab-sharded
+    # Tensorwise float8 blocks all-gather their activations in float8 (titanlite/float8.py).
+    colwise, rowwise, prepare_input = tp_styles(model.layers, tp_mesh)
     block_plan = {
         "attention_norm": SequenceParallel(),
         # (x, rope_cache, document mask or None): only x is a sequence-parallel activation.
-        "attention": PrepareModuleInput(
+        "attention": prepare_input(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=Shard(1), use_local_output=False),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
+        "feed_forward": prepare_input(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
         ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
+        "feed_forward.w3": colwise(),
     }
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
@@ -158,7 +175,14 @@ def _sac_context():
 def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> None:
     """full: recompute every block; selective 'op': keep matmul/attention outputs;
     selective 'N': full AC on every Nth block (blocks N-1, 2N-1, ...). The options are checked
-    by the config."""
+    by the config.
+
+    Under compile the 'op' policy must wrap the block inside the compiled region (it tags the ops
+    dynamo traces), and whole-block AC must wrap the compiled block, re-running it in backward:
+    compiled, whole-block AC replays SDPA (an RNG op) in the backward graph, and on CPU torch
+    2.13 then saves the RNG state after the saved opaque objects; under TP (a DeviceMesh is
+    saved) AOTAutograd fails with "expected all tensors_saved_with_vc_check to be Tensors".
+    """
     every = 1
     kwargs = {}
     if mode == "selective" and selective_option == "op":
@@ -185,12 +209,17 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
+    cpu_offload: bool = False,
 ) -> None:
     """FSDP2 per block, then the root (embedding, final norm, output); 2-D mesh = HSDP.
 
     Gradients are SUMMED over data-parallel ranks: the trainer already divides the loss by the
-    global token count, so FSDP's default averaging would divide twice.
+    global token count, so FSDP's default averaging would divide twice. `cpu_offload`: sharded
+    params, grads and AdamW state stay in (pinned, on a GPU) host memory; each unit's shards are
+    copied to the device for its all-gather, and the optimizer steps on the CPU.
     """
+    no_offload = OffloadPolicy()  # fully_shard's default
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else no_offload
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Blocks must not cast their inputs: the rope cache must stay fp32 (it would reach them in
     # bf16). The residual stream is already in param_dtype, as the embedding's output.
@@ -203,9 +232,12 @@ def apply_fsdp(
         reshard = reshard_after_forward == "always" or (
             reshard_after_forward == "default" and key != keys[-1]
         )
-        fully_shard(model.layers[key], mesh=mesh, mp_policy=block_mp, reshard_after_forward=reshard)
+        fully_shard(
+            model.layers[key], mesh=mesh, mp_policy=block_mp, reshard_after_forward=reshard,
+            offload_policy=offload,
+        )  # fmt: skip
     # The root keeps FSDP's root default (no reshard): its params are needed first in backward.
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _set_sum_reduction(module)
@@ -236,7 +268,8 @@ def init_weights_parallel(model: nn.Module, seed: int, device) -> None:
     `Transformer(args).init_weights(seed)` in one process on this device type, for any layout.
 
     Each rank draws only the tiles that cover its own shards (titanlite.models.tiled_init), on
-    the device: the cost per rank follows its shard, not the model.
+    the device: the cost per rank follows its shard, not the model. Shards kept on the CPU (FSDP
+    CPU offload) are drawn on the device too, then copied: CPU and CUDA generators differ.
     """
     for name, param in model.named_parameters():
         key, local, offset = _clean_name(name), param, None
@@ -246,6 +279,10 @@ def init_weights_parallel(model: nn.Module, seed: int, device) -> None:
                 param.shape, param.device_mesh, param.placements
             )
             assert tuple(local.shape) == tuple(shape), (key, local.shape, shape)
-        fill_(local, model.param_init(key), seed=seed, key=key, global_shape=param.shape,
+        on_device = local.device == torch.device(device)
+        drawn = local if on_device else torch.empty_like(local, device=device)
+        fill_(drawn, model.param_init(key), seed=seed, key=key, global_shape=param.shape,
               offset=offset)  # fmt: skip
+        if not on_device:
+            local.copy_(drawn)
     model.init_buffers(device)
