@@ -319,6 +319,9 @@ class Trainer:
         except BaseException:
             self.close()
             raise
+        # Float8 scales precomputed after each optimizer step are not saved: compute them for
+        # the loaded weights, or a resumed step would cast with other scales than the run did.
+        self.after_optimizer_step(self.model)
 
     @property
     def is_log_rank(self) -> bool:
