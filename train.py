@@ -69,6 +69,7 @@ from titanlite.models.llama.parallelize import (
     loss_parallel_ctx,
     parallelize_llama,
 )
+from titanlite.models.llama.pipeline import PipelinedModel, PipelinePlan, cut_stages, plan_pipeline
 from titanlite.models.tiled_init import fill_
 from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
@@ -98,6 +99,18 @@ def forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0, sync_on
             mb_loss = local_value(model(tokens, labels, chunk_tokens=chunk_tokens))
             (mb_loss * loss_scale).backward()
         loss_sum += mb_loss.detach()
+    return loss_sum
+
+
+def pipeline_forward_backward(model: PipelinedModel, microbatches, loss_scale, *, chunk_tokens=0,
+                              context=contextlib.nullcontext, **_) -> torch.Tensor:  # fmt: skip
+    """forward_backward through the pipeline: each microbatch is one schedule step, which splits
+    it into pipeline microbatches and scales each one's summed loss by `loss_scale` (0 is
+    returned on ranks without the last stage)."""
+    loss_sum = torch.zeros((), device=loss_scale.device)
+    for tokens, labels in microbatches:
+        with context():
+            loss_sum += model.forward_backward(tokens, labels, loss_scale, chunk_tokens)
     return loss_sum
 
 
@@ -195,6 +208,7 @@ class JobLayout(NamedTuple):
     model_args: ModelArgs
     global_batch_size: int
     num_microbatches: int
+    pipeline: PipelinePlan | None
 
 
 def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
@@ -204,6 +218,7 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     pd = ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
         cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, world_size=world_size,
+        pp=p.pipeline_parallel_degree,
     )  # fmt: skip
     tokenizer = build_tokenizer(cfg.model)
     args = model_args_for(cfg, tokenizer)
@@ -211,7 +226,29 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
     check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
     check_float8(cfg, pd)
-    return JobLayout(pd, tokenizer, args, global_batch_size, num_microbatches)
+    pipeline = None
+    if pd.pp_enabled:
+        check_pipeline_options(cfg)
+        pipeline = plan_pipeline(args.n_layers, pd.pp, t.local_batch_size, p)
+    return JobLayout(pd, tokenizer, args, global_batch_size, num_microbatches, pipeline)
+
+
+def check_pipeline_options(cfg: JobConfig) -> None:
+    """Options whose mechanics the pipeline schedule takes over, refused with the fix."""
+    t, val = cfg.training, cfg.validation
+    refused = {
+        "optimizer.early_step_in_backward": cfg.optimizer.early_step_in_backward,
+        "training.enable_cpu_offload": t.enable_cpu_offload,
+        "training.accumulation_sync last (each schedule step reduces its gradients)": (
+            t.accumulation_sync == "last"
+        ),
+        "validation.local_batch_size other than training's (the schedule's microbatches)": (
+            val.enable and val.local_batch_size not in (-1, t.local_batch_size)
+        ),
+    }
+    for what, on in refused.items():
+        if on:
+            raise ConfigError(f"pipeline parallelism does not support {what}; turn it off")
 
 
 def model_args_for(cfg: JobConfig, tokenizer) -> ModelArgs:
@@ -226,12 +263,21 @@ def model_args_for(cfg: JobConfig, tokenizer) -> ModelArgs:
     )
 
 
-def build_model(cfg, model_args, parallel_dims, compute_dtype, device) -> torch.nn.Module:
-    """Meta build -> parallelize -> allocate this rank's shards on the device (not yet
-    initialized): no rank ever holds the full unsharded model."""
+def build_model(cfg, model_args, parallel_dims, compute_dtype, device, pipeline=None):
+    """Meta build -> (cut into this rank's pipeline stages) -> parallelize -> allocate this
+    rank's shards on the device (not yet initialized): no rank ever holds the whole model."""
     with torch.device("meta"):
         model = Transformer(model_args)
     maybe_convert_float8(model, cfg)  # before TP and FSDP, which handle float8 linears
+    if pipeline is None:
+        return parallelize_and_allocate(model, cfg, parallel_dims, compute_dtype, device)
+    pd = parallel_dims
+    ids, stages = cut_stages(model, pipeline, pd.pp_mesh, pd.tp_mesh)
+    stages = [parallelize_and_allocate(s, cfg, pd, compute_dtype, device) for s in stages]
+    return PipelinedModel(stages, ids, pipeline, pd.pp_mesh, device)
+
+
+def parallelize_and_allocate(model, cfg, parallel_dims, compute_dtype, device):
     parallelize_llama(
         model,
         parallel_dims,
@@ -244,6 +290,12 @@ def build_model(cfg, model_args, parallel_dims, compute_dtype, device) -> torch.
     )
     # CPU offload keeps the shards in host memory; init_model draws them on the device.
     return model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else device).train()
+
+
+def count_params(model_args: ModelArgs, exclude_embedding: bool) -> int:
+    """The whole model's parameter count (a rank may hold only some pipeline stages)."""
+    with torch.device("meta"):
+        return Transformer(model_args).num_params(exclude_embedding)
 
 
 def init_model(model, seed: int, device, draw_weights: bool) -> None:
@@ -284,12 +336,17 @@ class Trainer:
         self.compute_dtype = resolve_param_dtype(t.mixed_precision_param, self.device)
         # FSDP can skip the reduce-scatter of all but the last microbatch (more memory).
         self.sync_only_last = t.accumulation_sync == "last" and pd.fsdp_enabled
-        self.model = build_model(cfg, self.model_args, pd, self.compute_dtype, self.device)
+        self.model = build_model(
+            cfg, self.model_args, pd, self.compute_dtype, self.device, job.pipeline
+        )
+        self.forward_backward = forward_backward if job.pipeline is None else (
+            pipeline_forward_backward
+        )  # fmt: skip
         # No weights are drawn that the checkpoint would overwrite (hours at 405B).
         init_model(self.model, cfg.training.seed, self.device, draw_weights=load_plan is None)
         logger.info(
             "model %s %s: %s parameters, vocab %d, world %d %s, compute %s",
-            cfg.model.name, cfg.model.flavor, f"{self.model.num_params(exclude_embedding=False):,}",
+            cfg.model.name, cfg.model.flavor, f"{count_params(self.model_args, False):,}",
             vocab, self.world_size, pd, self.compute_dtype,
         )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -312,7 +369,7 @@ class Trainer:
         self.memory = DeviceMemoryMonitor(self.device)
         self.peak_flops = get_peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
         self.flops_per_token = num_flops_per_token(
-            self.model.num_params(exclude_embedding=True), self.model_args, t.seq_len
+            count_params(self.model_args, exclude_embedding=True), self.model_args, t.seq_len
         )
         try:
             self.checkpointer.load(load_plan)
@@ -375,12 +432,14 @@ class Trainer:
             microbatches, counts, self.preemption.requested, device
         )
         microbatches = [(to_device(x, device), to_device(y, device)) for x, y in microbatches]
-        loss_sum = forward_backward(
+        loss_sum = self.forward_backward(
             self.model, microbatches, 1.0 / tokens, chunk_tokens=self.cfg.loss.chunk_tokens,
             sync_only_last=self.sync_only_last, context=self.model_context,
         )  # fmt: skip
         if self.step_in_backward is None:
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+            grad_norm = clip_grad_norm_(
+                self.model.parameters(), self.cfg.training.max_norm, self.parallel_dims.pp_mesh
+            )
         else:  # every parameter was stepped in backward; the hooks summed the norm
             grad_norm = self.step_in_backward.grad_norm()
         # The step's one host sync. A NaN/inf anywhere makes the global norm non-finite on every
@@ -481,7 +540,7 @@ def dry_run(cfg: JobConfig) -> int:
     job.parallel_dims.build_mesh(device.type)
     compute_dtype = resolve_param_dtype(cfg.training.mixed_precision_param, device)
     t0 = time.perf_counter()
-    model = build_model(cfg, job.model_args, job.parallel_dims, compute_dtype, device)
+    model = build_model(cfg, job.model_args, job.parallel_dims, compute_dtype, device, job.pipeline)
     t1 = time.perf_counter()
     init_model(model, cfg.training.seed, device, draw_weights=True)
     t2 = time.perf_counter()
@@ -491,7 +550,7 @@ def dry_run(cfg: JobConfig) -> int:
         "world_size": world,
         "rank": rank,
         "layout": str(job.parallel_dims),
-        "params_total": model.num_params(exclude_embedding=False),
+        "params_total": count_params(job.model_args, exclude_embedding=False),
         "params_local": sum(local_value(p).numel() for p in model.parameters()),
         "build_seconds": round(t1 - t0, 3),
         "init_seconds": round(t2 - t1, 3),

@@ -98,6 +98,13 @@ def torchrun_script(script, *args, nproc=4, timeout=600):
     return proc
 
 
+def train_many(jobs: list[list[str]], nproc: int, timeout=900):
+    """Several train.py jobs (argument lists; or {"copy": [src, dst]} between them) one after
+    another in one torchrun launch of `nproc` ranks (tests/train_many.py)."""
+    return torchrun_script(REPO / "tests" / "train_many.py", json.dumps(jobs), nproc=nproc,
+                           timeout=timeout)  # fmt: skip
+
+
 def read_jsonl(path):
     """The metrics a run wrote, one dict per logged step."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

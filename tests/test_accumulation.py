@@ -61,15 +61,19 @@ LR, ADAM_EPS = 0.05, 1.0
 WEIGHT_RTOL = 1e-5
 LOSS_RTOL = 1e-4
 
-# (ranks, rows per microbatch): global batch 8 = ranks x rows x microbatches.
+# (ranks, rows per microbatch, extra args): global batch 8 = dp ranks x rows x microbatches.
 SPLITS = {
-    "1x8x1": (1, 8),
-    "1x1x8": (1, 1),
-    "2x2x2": (2, 2),
-    "4x1x2": (4, 1),
+    "1x8x1": (1, 8, []),
+    "1x1x8": (1, 1, []),
+    "2x2x2": (2, 2, []),
+    "4x1x2": (4, 1, []),
+    # Two pipeline stages (one dp rank): 4 accumulation microbatches of 2 rows, each a schedule
+    # step of 2 pipeline microbatches of 1 row.
+    "pp2-1x2x4": (2, 2, ["--parallelism.pipeline_parallel_degree", "2"]),
 }
 CASES = [("1x8x1", "every"), ("1x1x8", "every")]
 CASES += [(s, sync) for s in ("2x2x2", "4x1x2") for sync in ("every", "last")]
+CASES += [("pp2-1x2x4", "every")]  # the schedule reduces gradients after each of its steps
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +91,7 @@ def corpus(tmp_path_factory):
 
 def run(corpus, dump, split, sync):
     """One run: (losses, grad norms) per step and the final weights."""
-    ranks, rows = SPLITS[split]
+    ranks, rows, extra = SPLITS[split]
     args = [
         "--job.config_file", "debug_model.toml",
         "--model.vocab_limit", "512",
@@ -112,6 +116,7 @@ def run(corpus, dump, split, sync):
         "--checkpoint.enable",
         "--checkpoint.interval", "1000",  # only the last step is saved
         "--job.dump_folder", str(dump),
+        *extra,
     ]  # fmt: skip
     run_train(args, nproc=ranks)
     records = read_jsonl(dump / "metrics.jsonl")

@@ -21,11 +21,14 @@ import torch.distributed.checkpoint as dcp
 from conftest import assert_nested_equal, torchrun_script
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from titanlite import checkpoint
 from titanlite.checkpoint import (
     MARKER,
     CheckpointManager,
     _capture_rng,
+    _read_metadata,
     _restore_rng,
     plan_load,
     scan_checkpoints,
@@ -136,6 +139,21 @@ def test_round_trip_is_bitwise(tmp_path):
     train_steps(fresh, 1, save=False)
     for x, y in zip(mgr.model.parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(x, y)
+
+
+def test_checkpoint_with_param_groups_as_a_list_still_loads(tmp_path, monkeypatch):
+    """Optimizer param groups are saved keyed by parameter name (pipeline stages hold different
+    parameters); checkpoints from before, with a list of groups, load as they were saved."""
+    monkeypatch.setattr(checkpoint, "_FLAT_OPTIMIZER", StateDictOptions())
+    mgr = make_setup(tmp_path)
+    train_steps(mgr, 2)
+    monkeypatch.undo()
+    assert "optimizer.param_groups.0.params" in _read_metadata(tmp_path / "checkpoint" / "step-2")
+    fresh = make_setup(tmp_path)
+    fresh.optimizer.param_groups[0]["betas"] = (0.0, 0.0)  # must come back from the checkpoint
+    assert resume(fresh) == 2
+    assert_same(snapshot(mgr), snapshot(fresh))
+    assert fresh.optimizer.param_groups[0]["betas"] == mgr.optimizer.param_groups[0]["betas"]
 
 
 def test_keep_latest_k_and_load_step(tmp_path):

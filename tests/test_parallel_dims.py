@@ -19,6 +19,8 @@ LAYOUTS = [
     (1, 4, 1, 1), (2, 2, 1, 1), (4, 1, 1, 1), (1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 1, 4),
     (1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 2, 2), (1, 1, 4, 1),
 ]  # fmt: skip
+# (pp, dp_replicate, dp_shard, cp, tp) pipelined layouts of 4 ranks.
+PP_LAYOUTS = [(2, 1, 2, 1, 1), (2, 1, 1, 1, 2), (4, 1, 1, 1, 1)]
 
 
 def test_infers_shard_degree():
@@ -51,12 +53,15 @@ def test_product_mismatch_names_every_degree():
         ((1, -1, 1, 0), "context_parallel_degree must be >= 1"),
         ((1, -1, 1, 3), r"context_parallel_degree \(3\) x tensor_parallel_degree \(1\) = 3;"),
         ((1, 2, 2, 2), r"shard_degree \(2\) x context_parallel_degree \(2\) x .* = 8, but the"),
+        ((1, -1, 1, 1, 0), "pipeline_parallel_degree must be >= 1"),
+        ((1, -1, 1, 1, 3), r"pipeline_parallel_degree \(3\) x data_parallel_replicate_degree"),
+        ((1, 4, 1, 1, 2), r"pipeline_parallel_degree \(2\) x .* = 8, but the world size is 4"),
     ],
 )
 def test_bad_degrees(degrees, match):
-    dp_replicate, dp_shard, tp, *cp = degrees
+    dp_replicate, dp_shard, tp, cp, pp = (*degrees, 1, 1)[:5]
     with pytest.raises(ValueError, match=match):
-        ParallelDims(dp_replicate, dp_shard, tp, world_size=4, cp=cp[0] if cp else 1)
+        ParallelDims(dp_replicate, dp_shard, tp, world_size=4, cp=cp, pp=pp)
 
 
 ARGS = ModelArgs(dim=256, n_layers=2, n_heads=16, n_kv_heads=4, vocab_size=512)
@@ -79,6 +84,15 @@ def test_cp_needs_two_chunks_per_rank():
         ParallelDims(1, 1, 1, 4, cp=4).validate_model(args)
 
 
+def test_pp_refuses_what_needs_the_tokens_in_every_stage():
+    masked = replace(ARGS, document_masking=True, bos_id=1, eos_id=2)
+    ParallelDims(1, 1, 1, 2, pp=2).validate_model(ARGS)
+    with pytest.raises(ValueError, match="pipeline parallelism does not work with document mask"):
+        ParallelDims(1, 1, 1, 2, pp=2).validate_model(masked)
+    with pytest.raises(ValueError, match="pipeline parallelism does not work with context par"):
+        ParallelDims(1, 1, 1, 4, cp=2, pp=2).validate_model(replace(ARGS, max_seq_len=32))
+
+
 def test_loss_parallel_needs_tp():
     lp = SimpleNamespace(enable_loss_parallel=True)
     with pytest.raises(ValueError, match="enable_loss_parallel needs tensor_parallel_degree > 1"):
@@ -92,18 +106,22 @@ def worker(out_path):
 
     dist.init_process_group("gloo")
     results = {}
-    for dp_replicate, dp_shard, cp, tp in LAYOUTS:
-        pd = ParallelDims(dp_replicate, dp_shard, tp, world_size=dist.get_world_size(), cp=cp)
+    for layout in [(1, *degrees) for degrees in LAYOUTS] + PP_LAYOUTS:
+        pp, dp_replicate, dp_shard, cp, tp = layout
+        world = dist.get_world_size()
+        pd = ParallelDims(dp_replicate, dp_shard, tp, world_size=world, cp=cp, pp=pp)
         pd.build_mesh("cpu")
         per_rank = [None] * 4
-        dist.all_gather_object(per_rank, (pd.dp_rank, pd.counts_step_tokens))
-        results[str((dp_replicate, dp_shard, cp, tp))] = {
-            "dp_ranks": [dp_rank for dp_rank, _ in per_rank],
-            "counting": [rank for rank, (_, counts) in enumerate(per_rank) if counts],
+        pp_rank = pd.pp_mesh.get_local_rank() if pd.pp_mesh is not None else 0
+        dist.all_gather_object(per_rank, (pd.dp_rank, pd.counts_step_tokens, pp_rank))
+        results[str(layout[1:] if pp == 1 else layout)] = {
+            "dp_ranks": [dp_rank for dp_rank, _, _ in per_rank],
+            "counting": [rank for rank, (_, counts, _) in enumerate(per_rank) if counts],
             "dp_size": pd.dp_mesh.size() if pd.dp_mesh is not None else None,
             "loss_size": pd.loss_mesh.size() if pd.loss_mesh is not None else None,
             "fsdp_shape": list(pd.fsdp_mesh.shape),
             "tp_size": pd.tp_mesh.size() if pd.tp_mesh is not None else None,
+            **({"pp_ranks": [r for _, _, r in per_rank]} if pp > 1 else {}),
         }
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
@@ -144,6 +162,17 @@ def test_meshes_on_four_ranks(tmp_path):
         "fsdp_shape": [2], "tp_size": 2,
     }  # fmt: skip
     assert res["(1, 1, 4, 1)"]["fsdp_shape"] == [4]
+    # Pipeline stages are the outermost dim: each stage's ranks form the whole inner mesh; only
+    # the first stage counts tokens, and the loss is summed over stages (the last one has it).
+    assert res["(2, 1, 2, 1, 1)"] == {
+        "dp_ranks": [0, 1, 0, 1], "counting": [0, 1], "dp_size": 2, "loss_size": 4,
+        "fsdp_shape": [2], "tp_size": None, "pp_ranks": [0, 0, 1, 1],
+    }  # fmt: skip
+    assert res["(2, 1, 1, 1, 2)"] == {
+        "dp_ranks": [0, 0, 0, 0], "counting": [0], "dp_size": None, "loss_size": 2,
+        "fsdp_shape": [1], "tp_size": 2, "pp_ranks": [0, 0, 1, 1],
+    }  # fmt: skip
+    assert res["(4, 1, 1, 1, 1)"]["pp_ranks"] == [0, 1, 2, 3]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import read_jsonl, run_train
+from conftest import read_jsonl, run_train, train_many
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -57,6 +57,33 @@ CP_LAYOUTS = {
     ],
 }  # fmt: skip
 CP_RTOL = 1e-5
+# Pipeline parallelism: every schedule on the debug model's 6 layers with the default split
+# (PP 2: two stages of 3 layers, or four of 1-2 for multi-stage schedules), then PP with the
+# other dims. Measured within 1.6e-7 of one process (loss and grad norm, 8 fp32 steps).
+PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
+FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 stages, 4 microbatches
+PP_LAYOUTS = {
+    2: {
+        "pp2_1f1b": [PP, "2"],
+        "pp2_gpipe": [PP, "2", SCHEDULE, "GPipe"],
+        **{
+            f"pp2_{name.lower()}": [PP, "2", SCHEDULE, name, *FOUR_ROWS]
+            for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                         "DualPipeV")
+        },  # fmt: skip
+    },
+    4: {
+        "pp4_1f1b": [PP, "4", *FOUR_ROWS],
+        "pp2_fsdp2": [PP, "2", "--parallelism.data_parallel_shard_degree", "2"],
+        "pp2_fsdp2_zbv": [PP, "2", SCHEDULE, "ZBVZeroBubble", *FOUR_ROWS],
+        # The last stage computes the loss on vocab-sharded, chunked logits.
+        "pp2_tp2_loss_parallel": [
+            PP, "2", "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.enable_loss_parallel", "--loss.chunk_tokens", "24",
+        ],
+    },
+}  # fmt: skip
+PP_RTOL = 1e-5
 # Plain FSDP 2 x TP 2 runs from the seed checkpoint (test below): one 4-rank run covers both.
 FSDP2_TP2 = LAYOUTS["fsdp2xtp2_loss_parallel"][:4]
 
@@ -91,6 +118,21 @@ def reference(tmp_path_factory):
 def test_layout_matches_one_process(layout, reference, tmp_path, train_runner):
     train_runner([*BASE, *LAYOUTS[layout], "--job.dump_folder", str(tmp_path)], nproc=4)
     assert_matches(f"{layout} vs 1 process", curves(tmp_path), reference)
+
+
+@pytest.fixture(scope="module", params=sorted(PP_LAYOUTS))
+def pp_runs(request, tmp_path_factory):
+    """Every PP layout of one world size, trained one after another in one launch."""
+    nproc, layouts = request.param, PP_LAYOUTS[request.param]
+    out = tmp_path_factory.mktemp(f"pp{nproc}")
+    jobs = [[*BASE, *args, "--job.dump_folder", str(out / name)] for name, args in layouts.items()]
+    train_many(jobs, nproc=nproc)
+    return {name: curves(out / name) for name in layouts}
+
+
+def test_pp_layouts_match_one_process(pp_runs, reference):
+    for name, got in pp_runs.items():
+        assert_matches(f"{name} vs 1 process", got, reference, rtol=PP_RTOL)
 
 
 @pytest.mark.parametrize("layout", list(CP_LAYOUTS))
@@ -172,8 +214,15 @@ def test_seed_checkpoint_then_fsdp_x_tp(reference, tmp_path, train_runner):
             ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
             "seq_len (30) must be divisible by 2 x context_parallel_degree (4)",
         ),
+        (2, [PP, "2", SCHEDULE, "ZBVZeroBubble"], "ZBVZeroBubble over 4 stages needs at least 4"),
     ],
-    ids=["degrees_vs_world", "tp_vs_heads", "loss_parallel_without_tp", "seq_len_vs_cp"],
+    ids=[
+        "degrees_vs_world",
+        "tp_vs_heads",
+        "loss_parallel_without_tp",
+        "seq_len_vs_cp",
+        "pp_microbatches",
+    ],  # fmt: skip
 )
 def test_bad_layout_fails_cleanly_under_torchrun(nproc, args, expected, tmp_path, train_runner):
     dump = tmp_path / "run"

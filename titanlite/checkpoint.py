@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -313,6 +314,16 @@ def _reusable_stager():
     return DefaultStager(StagingOptions(cuda, False, False, cuda))
 
 
+# The optimizer's param groups keyed by parameter name, like its state: a list of groups would
+# differ between pipeline stages (each holds other parameters) and DCP would keep one rank's.
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _flat_optimizer(saved_keys) -> bool:
+    """Whether a checkpoint's optimizer was saved flat (all but the earliest titanlite's)."""
+    return "optimizer.param_groups.0.params" not in saved_keys
+
+
 def publish(folder: Path, step: int, info: dict | None = None) -> Path:
     """Mark the fully written `step-N.tmp` complete (the marker holds the step and `info`) and
     make it `step-N`. A complete `step-N` already there is moved aside first and deleted only
@@ -442,7 +453,7 @@ class CheckpointManager:
         if model_only:
             state = {"model": get_model_state_dict(self.model)}
         else:
-            msd, osd = get_state_dict(self.model, self.optimizer)
+            msd, osd = get_state_dict(self.model, self.optimizer, options=_FLAT_OPTIMIZER)
             loader_blob = pickle.dumps(self.dataloader.state_dict())
             self._check_same_on_all_ranks(loader_blob)  # DCP keeps one copy of equal keys
             state = {
@@ -537,8 +548,9 @@ class CheckpointManager:
                     "%s not loaded (checkpoint.exclude_from_loading): %s", part, _FRESH[part]
                 )
 
+        options = _FLAT_OPTIMIZER if _flat_optimizer(saved) else StateDictOptions()
         if "optimizer" in parts:
-            msd, osd = get_state_dict(self.model, self.optimizer)
+            msd, osd = get_state_dict(self.model, self.optimizer, options=options)
             state = {"model": msd, "optimizer": osd}
         else:
             state = {"model": get_model_state_dict(self.model)}
@@ -555,7 +567,7 @@ class CheckpointManager:
 
         if "optimizer" in parts:
             set_state_dict(
-                self.model, self.optimizer,
+                self.model, self.optimizer, options=options,
                 model_state_dict=state["model"], optim_state_dict=state["optimizer"],
             )  # fmt: skip
         else:

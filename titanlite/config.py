@@ -161,7 +161,7 @@ class Training:
 
 @dataclass
 class Parallelism:
-    """Degrees of data, context and tensor parallelism."""
+    """Degrees of data, context, tensor and pipeline parallelism."""
 
     data_parallel_replicate_degree: int = opt(1, "Replicated (DDP-style) data-parallel degree")
     data_parallel_shard_degree: int = opt(-1, "FSDP degree (-1 = all ranks left over)")
@@ -169,7 +169,25 @@ class Parallelism:
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree")
     enable_loss_parallel: bool = opt(False, "Compute the loss on vocab-sharded logits under TP")
     fsdp_reshard_after_forward: str = opt(
-        "default", "Free gathered params after forward", choices=("default", "always", "never")
+        "default",
+        "Free gathered params after forward (default: all blocks but the last; none under PP)",
+        choices=("default", "always", "never"),
+    )
+    pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree: ranks each running stages")
+    pipeline_parallel_schedule: str = opt(
+        "1F1B", "Pipeline schedule (torch.distributed.pipelining name), e.g. GPipe, Interleaved1F1B"
+    )
+    pipeline_parallel_microbatch_size: int = opt(
+        1, "Rows per pipeline microbatch (local_batch_size must be a multiple)", ge=1
+    )
+    pipeline_parallel_layers_per_stage: int = opt(
+        0, "Layers per (virtual) stage, embedding and output counted as layers (0 = derive)", ge=0
+    )
+    pipeline_parallel_first_stage_less_layers: int = opt(
+        1, "Layers the first stage gives up for the embedding", ge=0
+    )
+    pipeline_parallel_last_stage_less_layers: int = opt(
+        1, "Layers the last stage gives up for the final norm, output and loss", ge=0
     )
 
 

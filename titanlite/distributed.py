@@ -4,6 +4,7 @@ Works the same under torchrun (any world size) and plain `python` (a one-rank pr
 every helper degrades to a no-op when there is nothing to reduce over.
 """
 
+import math
 import os
 from collections.abc import Iterable
 
@@ -130,13 +131,17 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+    norm_type: float = 2.0,
 ) -> torch.Tensor:
     """Clip gradients by their global norm over every mesh dim; return the norm as a plain tensor.
 
     torch's clip_grad_norm_ stacks per-param norms and fails when params live on different meshes
     (e.g. FSDP-only norms next to FSDP x TP weights), so the norm is taken per mesh group, made
-    global with full_tensor(), and combined here. max_norm <= 0 only measures. A non-finite norm
+    global with full_tensor(), and combined here, then over the pipeline stages of `pp_mesh`
+    (each rank holds only its stages' parameters). max_norm <= 0 only measures. A non-finite norm
     leaves the grads untouched, without reading it on the host here: the caller reads the norm
     once per step and stops or skips the step.
     """
@@ -144,13 +149,17 @@ def clip_grad_norm_(
     for p in params:
         if p.grad is not None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    if not groups:
-        return torch.zeros(())
     norms = []
     for ps in groups.values():
         n = _total_norm([p.grad for p in ps], norm_type)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type).float()
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
+    if pp_mesh is not None:  # every pipeline rank joins, in fp64: a sum of squares
+        if math.isinf(norm_type):
+            total = _all_reduce(total, dist.ReduceOp.MAX, pp_mesh)
+        else:
+            total = dist_sum(total.double() ** norm_type, pp_mesh) ** (1.0 / norm_type)
+    total = total.float()
     if max_norm > 0:
         # A non-finite norm is replaced by 0, whose clip factor is clamped to 1: a select on the
         # device instead of a branch on the host.

@@ -1,13 +1,13 @@
 """Parallel degrees, their validation, and the named world DeviceMesh.
 
-Ranks are laid out row-major over ("dp_replicate", "dp_shard", "cp", "tp"): TP neighbours are
-adjacent ranks (same host, fastest links), then CP peers (one all-gather of K/V per layer),
-replicas are the farthest apart.
+Ranks are laid out row-major over ("pp", "dp_replicate", "dp_shard", "cp", "tp"): TP neighbours
+are adjacent ranks (same host, fastest links), then CP peers (one all-gather of K/V per layer),
+then data parallelism; pipeline stages are the farthest apart (they only pass activations).
 """
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def _spelled(degrees) -> str:
@@ -15,14 +15,17 @@ def _spelled(degrees) -> str:
 
 
 class ParallelDims:
-    """Degrees of data (replicate x shard), context and tensor parallelism for one job.
+    """Degrees of pipeline, data (replicate x shard), context and tensor parallelism for one job.
 
     dp_shard = -1 takes whatever the other degrees leave of the world. Errors name the config
     keys so the user knows what to change.
     """
 
-    def __init__(self, dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1):
+    def __init__(
+        self, dp_replicate: int, dp_shard: int, tp: int, world_size: int, cp: int = 1, pp: int = 1
+    ):
         fixed = (
+            ("pipeline_parallel_degree", pp),
             ("data_parallel_replicate_degree", dp_replicate),
             ("context_parallel_degree", cp),
             ("tensor_parallel_degree", tp),
@@ -30,7 +33,7 @@ class ParallelDims:
         for name, value in fixed:
             if value < 1:
                 raise ValueError(f"parallelism.{name} must be >= 1, got {value}")
-        others = dp_replicate * cp * tp
+        others = pp * dp_replicate * cp * tp
         if dp_shard == -1:
             if world_size % others:
                 raise ValueError(
@@ -45,13 +48,19 @@ class ParallelDims:
             )
         product = dp_shard * others
         if product != world_size:
-            degrees = (*fixed[:1], ("data_parallel_shard_degree", dp_shard), *fixed[1:])
+            degrees = (*fixed[:2], ("data_parallel_shard_degree", dp_shard), *fixed[2:])
             raise ValueError(
                 f"{_spelled(degrees)} = {product}, but the world size is {world_size}; make the "
                 f"product equal the number of processes (or set data_parallel_shard_degree = -1 "
                 f"to infer it)"
             )
-        self.dp_replicate, self.dp_shard, self.cp, self.tp = dp_replicate, dp_shard, cp, tp
+        self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp = (
+            pp,
+            dp_replicate,
+            dp_shard,
+            cp,
+            tp,
+        )
         self.world_size = world_size
         self.world_mesh: DeviceMesh | None = None  # set by build_mesh
         self._dp_mesh: DeviceMesh | None = None
@@ -61,8 +70,8 @@ class ParallelDims:
 
     def __repr__(self) -> str:
         return (
-            f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, "
-            f"cp={self.cp}, tp={self.tp}, world_size={self.world_size})"
+            f"ParallelDims(pp={self.pp}, dp_replicate={self.dp_replicate}, "
+            f"dp_shard={self.dp_shard}, cp={self.cp}, tp={self.tp}, world_size={self.world_size})"
         )
 
     @property
@@ -76,6 +85,10 @@ class ParallelDims:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def cp_enabled(self) -> bool:
@@ -120,6 +133,13 @@ class ParallelDims:
                 "document masking (model.document_masking, or a *_flex_attn flavor) does not "
                 "work with context parallelism yet; turn one of them off"
             )
+        if self.pp_enabled and (self.cp_enabled or model_args.document_masking):
+            what = "context parallelism" if self.cp_enabled else "document masking"
+            raise ValueError(
+                f"pipeline parallelism does not work with {what} yet (later stages see hidden "
+                f"states, not the tokens their masks and splits are made from); turn one of "
+                f"them off"
+            )
         loss_parallel = bool(parallelism_cfg and parallelism_cfg.enable_loss_parallel)
         if loss_parallel and not self.tp_enabled:
             raise ValueError(
@@ -135,19 +155,22 @@ class ParallelDims:
         unused one-rank groups. _flatten is private but the only way (torch 2.11-2.13) to get one
         1-D group over several dims.
         """
-        shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = self.world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         if self.dp_enabled:
             self._dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-        if self.dp_enabled or self.cp_enabled:
-            self._loss_mesh = mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
+        if self.dp_enabled or self.cp_enabled or self.pp_enabled:
+            # Under PP only the last stage's sums are not zero: adding over pp brings the loss
+            # to every rank, the log rank (on the first stage) included.
+            dims = ("pp", "dp_replicate", "dp_shard", "cp")
+            self._loss_mesh = mesh[dims]._flatten("pp_dp_cp")
         self._fsdp_mesh = mesh["dp_shard"]
         if self.cp_enabled:
             self._fsdp_mesh = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
         if self.hsdp_enabled:
             self._fsdp_mesh = mesh[("dp_replicate", self._fsdp_mesh.mesh_dim_names[0])]
         # Asked every step: slicing the mesh then would cost host syncs.
-        self._counts_step_tokens = mesh["tp"].get_local_rank() == 0 == mesh["cp"].get_local_rank()
+        self._counts_step_tokens = all(mesh[d].get_local_rank() == 0 for d in ("pp", "cp", "tp"))
         return mesh
 
     def _mesh(self) -> DeviceMesh:
@@ -162,8 +185,9 @@ class ParallelDims:
 
     @property
     def loss_mesh(self) -> DeviceMesh | None:
-        """The ranks whose loss sums add up to the step's loss: dp x cp (each CP rank holds a part
-        of every sequence), flattened; None when there is neither."""
+        """The ranks whose loss sums add up to the step's loss: pp x dp x cp (each CP rank holds
+        a part of every sequence, the last pipeline stage the loss), flattened; None when there
+        is none of them."""
         return self._loss_mesh
 
     @property
@@ -180,7 +204,7 @@ class ParallelDims:
     @property
     def counts_step_tokens(self) -> bool:
         """Whether this rank adds its labels to the step's token count (counted before the CP
-        split): TP and CP peers hold the same labels, so only the first of each group does."""
+        split): TP, CP and PP peers hold the same labels, so only the first of each group does."""
         assert self._counts_step_tokens is not None, "call build_mesh() first"
         return self._counts_step_tokens
 
@@ -191,3 +215,7 @@ class ParallelDims:
     @property
     def cp_mesh(self) -> DeviceMesh | None:
         return self._mesh()["cp"] if self.cp_enabled else None
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        return self._mesh()["pp"] if self.pp_enabled else None

@@ -197,7 +197,9 @@ class Transformer(nn.Module):
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count (global under FSDP/TP: DTensor.numel() is the full size)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+        if exclude_embedding and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
 
     def forward(
         self,
@@ -207,6 +209,8 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab], or with labels the fp32 summed cross-entropy.
+        (A part without tok_embeddings takes hidden states [b, s, dim] as `tokens`; one without
+        output returns its hidden states.)
 
         positions [s]: each token's position in its sequence (default 0..s-1), for callers that
         pass a part of each sequence. The loss is computed here, not by the caller, so the output
@@ -223,9 +227,13 @@ class Transformer(nn.Module):
         mask = None
         if self.args.document_masking:
             mask = document_causal_mask(tokens, self.args.bos_id, self.args.eos_id)
-        h = self.tok_embeddings(tokens)  # [b, s, dim]
+        # A pipeline stage cut from this model may lack the embedding (it is given the previous
+        # stage's hidden states) or the head (it returns its hidden states).
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # [b, s, dim]
         for layer in self.layers.values():
             h = layer(h, rope_cache, mask)
+        if self.output is None:
+            return h
         h = self.norm(h)
         if labels is None:
             return self.output(h)

@@ -85,6 +85,7 @@ def parallelize_llama(
             reduce_dtype=reduce_dtype,
             reshard_after_forward=parallelism_cfg.fsdp_reshard_after_forward,
             cpu_offload=cpu_offload,
+            pipelined=parallel_dims.pp_enabled,
         )
     return model
 
@@ -114,6 +115,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) 
             use_local_output=not enable_loss_parallel,
         ),
     }
+    # A pipeline stage lacks the embedding or the head: plan only what it has.
+    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name)}
     parallelize_module(model, tp_mesh, root_plan)
     model.chunked_loss = tp_linear_cross_entropy_sum  # the output weight is now vocab-sharded
     # Tensorwise float8 blocks all-gather their activations in float8 (titanlite/float8.py).
@@ -210,13 +213,15 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
     cpu_offload: bool = False,
+    pipelined: bool = False,
 ) -> None:
     """FSDP2 per block, then the root (embedding, final norm, output); 2-D mesh = HSDP.
 
     Gradients are SUMMED over data-parallel ranks: the trainer already divides the loss by the
     global token count, so FSDP's default averaging would divide twice. `cpu_offload`: sharded
     params, grads and AdamW state stay in (pinned, on a GPU) host memory; each unit's shards are
-    copied to the device for its all-gather, and the optimizer steps on the CPU.
+    copied to the device for its all-gather, and the optimizer steps on the CPU. `pipelined`:
+    `model` is a pipeline stage, run forward once per pipeline microbatch before any backward.
     """
     no_offload = OffloadPolicy()  # fully_shard's default
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else no_offload
@@ -228,9 +233,11 @@ def apply_fsdp(
     )
     keys = list(model.layers.keys())
     for key in keys:
-        # 'default': the last block would be all-gathered again right away for backward.
+        # 'default': the last block would be all-gathered again right away for backward. A
+        # pipeline stage keeps every block: resharded, each would be all-gathered again in the
+        # forward and the backward of every pipeline microbatch.
         reshard = reshard_after_forward == "always" or (
-            reshard_after_forward == "default" and key != keys[-1]
+            reshard_after_forward == "default" and key != keys[-1] and not pipelined
         )
         fully_shard(
             model.layers[key], mesh=mesh, mp_policy=block_mp, reshard_after_forward=reshard,

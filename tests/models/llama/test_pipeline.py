@@ -1,0 +1,104 @@
+"""Pipeline planning (pure Python: stage split, schedules, microbatches, bad inputs) and stage
+cutting on the meta device. The schedules' numerics are proven end to end in
+tests/test_parallel_numerics.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from titanlite.models.llama.args import get_model_args
+from titanlite.models.llama.model import Transformer
+from titanlite.models.llama.pipeline import cut_stage, plan_pipeline, split_layers
+
+
+def options(schedule="1F1B", layers_per_stage=0, first=1, last=1, microbatch_size=1):
+    return SimpleNamespace(
+        pipeline_parallel_schedule=schedule,
+        pipeline_parallel_layers_per_stage=layers_per_stage,
+        pipeline_parallel_first_stage_less_layers=first,
+        pipeline_parallel_last_stage_less_layers=last,
+        pipeline_parallel_microbatch_size=microbatch_size,
+    )
+
+
+def layers(plan):
+    return [list(r) for r in plan.stage_layers]
+
+
+def test_default_split_counts_embedding_and_output_as_layers():
+    # The debug model (6 layers) on PP 2: 8 units, 4 a stage; the ends give one each away.
+    plan = plan_pipeline(6, 2, 2, options())
+    assert layers(plan) == [[0, 1, 2], [3, 4, 5]] and plan.stages_per_rank == 1
+    assert plan.microbatches == 2 and plan.stage_ids(1, 2) == [1]
+    # Multi-stage schedules default to two stages a rank: 8 units over 4 stages.
+    plan = plan_pipeline(6, 2, 4, options("interleaved1f1b"))  # names are case-insensitive
+    assert plan.schedule == "Interleaved1F1B"
+    assert layers(plan) == [[0], [1, 2], [3, 4], [5]]
+    assert plan.stage_ids(0, 2) == [0, 2] and plan.stage_ids(1, 2) == [1, 3]
+    # V-shaped: rank 0 holds the first and the last stage.
+    plan = plan_pipeline(6, 2, 4, options("ZBVZeroBubble"))
+    assert plan.stage_ids(0, 2) == [0, 3] and plan.stage_ids(1, 2) == [1, 2]
+
+
+def test_uneven_split_and_layers_per_stage():
+    # 126 layers + 2 over 16 stages: 8 units each; the ends hold 7 layers.
+    sizes = [len(r) for r in split_layers(126, 16, 1, 1)]
+    assert sizes == [7] + [8] * 14 + [7] and sum(sizes) == 126
+    assert [len(r) for r in split_layers(7, 2, 0, 0)] == [4, 3]  # earlier stages take the rest
+    plan = plan_pipeline(126, 8, 16, options("Interleaved1F1B", layers_per_stage=4))
+    assert plan.num_stages == 32 and plan.stages_per_rank == 4
+    assert [len(r) for r in plan.stage_layers][:2] == [3, 4]
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((6, 2, 2, options("Pipedream")), "'Pipedream' is not a known schedule; choose one of"),
+        ((6, 2, 2, options(layers_per_stage=1)), "1F1B runs one stage per rank, but the split"),
+        (
+            (6, 2, 2, options(layers_per_stage=3)),
+            "make 3 stages, not a multiple of pipeline_parallel_degree 2",
+        ),
+        ((6, 2, 4, options("ZBVZeroBubble", 1)), "ZBVZeroBubble needs exactly 2 stages per rank"),
+        ((6, 2, 4, options("Interleaved1F1B", 4)), "needs at least 2 stages per rank, but the"),
+        ((1, 4, 4, options()), r"1 layers cannot be split into 4 pipeline stages"),
+        ((6, 2, 3, options(microbatch_size=2)), r"local_batch_size \(3\) must be a multiple"),
+        ((6, 4, 2, options()), r"1F1B over 4 stages needs at least 4 microbatches per step, but"),
+        ((6, 2, 3, options("ZBVZeroBubble")), r"over 4 stages needs at least 4 microbatches"),
+        ((6, 2, 6, options("Interleaved1F1B", microbatch_size=2)), "needs a multiple of 2 micro"),
+    ],
+)
+def test_bad_plans_name_the_fix(args, match):
+    with pytest.raises(ValueError, match=match):
+        plan_pipeline(*args)
+
+
+def test_gpipe_allows_fewer_microbatches_than_stages():
+    assert plan_pipeline(6, 4, 2, options("GPipe")).microbatches == 2
+
+
+def test_stages_keep_the_whole_models_names_and_run_in_sequence():
+    args = get_model_args("debugmodel", vocab_size=256, max_seq_len=16)
+    with torch.device("meta"):
+        meta = Transformer(args)
+    plan = plan_pipeline(args.n_layers, 2, 2, options())
+    stages = [cut_stage(meta, plan.stage_layers[i], i == 0, i == 1) for i in range(2)]
+    names = [set(dict(s.named_parameters())) for s in stages]
+    assert names[0].isdisjoint(names[1]) and names[0] | names[1] == set(
+        dict(meta.named_parameters())
+    )
+    assert "tok_embeddings.weight" in names[0] and "output.weight" in names[1]
+    assert "layers.3.attention.wq.weight" in names[1]
+
+    whole = Transformer(args)
+    whole.init_weights(seed=0)
+    for stage in stages:
+        stage.to_empty(device="cpu")
+        stage.load_state_dict(whole.state_dict(), strict=False)
+        stage.init_buffers()
+    tokens = torch.randint(0, 256, (2, 16))
+    labels = torch.randint(0, 256, (2, 16))
+    hidden = stages[0](tokens, labels)
+    assert hidden.shape == (2, 16, args.dim)  # a stage without the head returns hidden states
+    torch.testing.assert_close(stages[1](hidden, labels), whole(tokens, labels), rtol=0, atol=0)

@@ -1,0 +1,38 @@
+"""Worker: several train.py jobs in a row in one torchrun launch, which saves each job the start
+of its own processes (seconds, times dozens of jobs in the suite).
+
+argv[1] is a JSON list of jobs: a list of train.py arguments (the job runs as train.main runs
+it: seeded, then Trainer, train, close), or {"copy": [src, dst]}: rank 0 copies a checkpoint
+folder and the others wait for it.
+"""
+
+import json
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+
+import train
+from titanlite.config import parse_args
+from titanlite.distributed import destroy, init_distributed
+
+
+def main(jobs: list) -> None:
+    dist_env = init_distributed()
+    for job in jobs:
+        if isinstance(job, dict):
+            if dist_env[0] == 0:
+                shutil.copytree(*job["copy"])
+            dist.barrier()
+            continue
+        cfg = parse_args(job)
+        torch.manual_seed(cfg.training.seed)
+        trainer = train.Trainer(cfg, dist_env)
+        trainer.train()
+        trainer.close()
+    destroy()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,257 @@
+"""Pipeline parallelism: the Llama cut into stages by layers, from outside the model, run by a
+torch.distributed.pipelining schedule with the loss kept exact.
+
+A stage is a copy of the meta-built Transformer that keeps only its layers (plus the embedding
+on the first stage, the final norm, output and loss on the last): its parameter names are the
+whole model's, so checkpoints do not depend on the layout. Each stage is then parallelized like
+a whole model (TP, AC, compile, FSDP). The last stage returns each pipeline microbatch's summed
+cross-entropy, and the schedule's loss function only multiplies it by 1 / (the step's target
+tokens): the schedule runs with scale_grads=False, so the gradients are those of the step's
+mean loss with no pass over them.
+"""
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+from torch.distributed.tensor import DTensor, Shard
+
+# Schedules a user can pick, by torch's names. Looped: rank r runs stages r, r + pp, ...;
+# V-shaped: rank r runs stages r and 2 pp - 1 - r (the first and last stage on rank 0).
+SINGLE_STAGE = ("GPipe", "1F1B")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which layers each stage holds, which stages this rank runs, and the microbatching."""
+
+    schedule: str  # torch's spelling
+    stage_layers: tuple[range, ...]  # per stage, the transformer layers it holds
+    stages_per_rank: int
+    microbatches: int  # pipeline microbatches per schedule step (one accumulation microbatch)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_layers)
+
+    def stage_ids(self, pp_rank: int, pp: int) -> list[int]:
+        if self.schedule in V_SHAPED:
+            return [pp_rank, 2 * pp - 1 - pp_rank]
+        return [pp_rank + k * pp for k in range(self.stages_per_rank)]
+
+
+def canonical_schedule(name: str) -> str:
+    for known in SCHEDULES:
+        if known.lower() == name.lower():
+            return known
+    raise ValueError(
+        f"parallelism.pipeline_parallel_schedule {name!r} is not a known schedule; "
+        f"choose one of {', '.join(SCHEDULES)}"
+    )
+
+
+def plan_pipeline(n_layers: int, pp: int, local_batch_size: int, p) -> PipelinePlan:
+    """Check the parallelism section `p` against the model depth and batch, before any weight
+    exists, and plan the stages. Like torchtitan, the first and last stage count the embedding
+    and the output as `*_stage_less_layers` layers each, so the default split balances work."""
+    schedule = canonical_schedule(p.pipeline_parallel_schedule)
+    first, last = (
+        p.pipeline_parallel_first_stage_less_layers,
+        p.pipeline_parallel_last_stage_less_layers,
+    )
+    units = n_layers + first + last
+    if p.pipeline_parallel_layers_per_stage:
+        num_stages = math.ceil(units / p.pipeline_parallel_layers_per_stage)
+        if num_stages % pp:
+            raise ValueError(
+                f"{n_layers} layers + {first} + {last} at pipeline_parallel_layers_per_stage "
+                f"{p.pipeline_parallel_layers_per_stage} make {num_stages} stages, not a multiple "
+                f"of pipeline_parallel_degree {pp}; pick layers_per_stage so that they are"
+            )
+        per_rank = num_stages // pp
+    else:
+        per_rank = 1 if schedule in SINGLE_STAGE else 2
+        num_stages = per_rank * pp
+    if schedule in SINGLE_STAGE and per_rank != 1:
+        raise ValueError(
+            f"{schedule} runs one stage per rank, but the split gives {per_rank}; use a "
+            f"multi-stage schedule ({', '.join(LOOPED + V_SHAPED)}) or more layers per stage"
+        )
+    if schedule not in SINGLE_STAGE and per_rank < 2 or schedule in V_SHAPED and per_rank != 2:
+        need = "exactly 2" if schedule in V_SHAPED else "at least 2"
+        raise ValueError(
+            f"{schedule} needs {need} stages per rank, but the split gives {per_rank}; change "
+            f"pipeline_parallel_layers_per_stage (0 derives it) or pick a one-stage schedule"
+        )
+    stage_layers = split_layers(n_layers, num_stages, first, last)
+    return PipelinePlan(
+        schedule,
+        stage_layers,
+        per_rank,
+        _microbatches(schedule, pp, num_stages, local_batch_size, p),
+    )
+
+
+def split_layers(n_layers: int, num_stages: int, first: int, last: int) -> tuple[range, ...]:
+    """Transformer layers per stage: the n_layers + first + last units dealt out evenly (earlier
+    stages take the remainder), then the first stage gives `first` units to the embedding and
+    the last `last` to the output."""
+    units = n_layers + first + last
+    base, extra = divmod(units, num_stages)
+    sizes = [base + (i < extra) for i in range(num_stages)]
+    sizes[0] -= first
+    sizes[-1] -= last
+    if min(sizes) < 0 or any(s == 0 for s in sizes[1:-1]):
+        raise ValueError(
+            f"{n_layers} layers cannot be split into {num_stages} pipeline stages with the first "
+            f"stage {first} and the last {last} layers short (sizes {sizes}); use fewer stages "
+            f"(pipeline_parallel_degree, layers_per_stage) or smaller *_stage_less_layers"
+        )
+    starts = [sum(sizes[:i]) for i in range(num_stages)]
+    return tuple(range(s, s + n) for s, n in zip(starts, sizes))
+
+
+def _microbatches(schedule, pp, num_stages, local_batch_size, p) -> int:
+    mb = p.pipeline_parallel_microbatch_size
+    if local_batch_size % mb:
+        raise ValueError(
+            f"training.local_batch_size ({local_batch_size}) must be a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size ({mb})"
+        )
+    n = local_batch_size // mb
+    # What torch's schedules accept (looped ones a little stricter: whole rounds of pp).
+    least = 1 if schedule == "GPipe" else num_stages if schedule in V_SHAPED else pp
+    if n < least or schedule in LOOPED and n % pp:
+        need = f"a multiple of {pp}" if schedule in LOOPED else f"at least {least}"
+        raise ValueError(
+            f"{schedule} over {num_stages} stages needs {need} microbatches per step, but "
+            f"local_batch_size {local_batch_size} / pipeline_parallel_microbatch_size {mb} = {n}; "
+            f"raise local_batch_size or lower the microbatch size"
+        )
+    return n
+
+
+def cut_stages(model: nn.Module, plan: PipelinePlan, pp_mesh: DeviceMesh, tp_mesh=None):
+    """(stage ids, stage modules) of this pipeline rank, cut from the meta `model`."""
+    ids = plan.stage_ids(pp_mesh.get_local_rank(), pp_mesh.size())
+    stages = []
+    for i in ids:
+        first, last = i == 0, i == plan.num_stages - 1
+        stage = cut_stage(model, plan.stage_layers[i], first, last)
+        if tp_mesh is not None:
+            keep_tp_boundaries_local(stage, tp_mesh, first, last)
+        stages.append(stage)
+    return ids, stages
+
+
+def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """A copy of the (meta) model holding only `layers`, the embedding if `first`, the final
+    norm and output if `last`. Names stay the whole model's ("layers.7.attention.wq")."""
+    stage = copy.deepcopy(model)
+    for key in list(stage.layers.keys()):
+        if int(key) not in layers:
+            del stage.layers[key]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = stage.output = None
+    return stage
+
+
+def keep_tp_boundaries_local(stage: nn.Module, tp_mesh: DeviceMesh, first: bool, last: bool):
+    """Under TP the residual stream is a sequence-sharded DTensor; between stages it travels as
+    the local shard (plain tensors, which every pipelining version sends) and is re-wrapped on
+    arrival."""
+    if not first:
+        stage.register_forward_pre_hook(
+            lambda _, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)]), *args[1:])
+        )
+    if not last:
+        stage.register_forward_hook(
+            lambda _, __, out: out.to_local() if isinstance(out, DTensor) else out
+        )
+
+
+class ScaledLoss:
+    """The schedule's loss function: the last stage's output is a microbatch's summed loss (a
+    replicated DTensor under loss parallel); it is kept, and returned times `scale`."""
+
+    def __init__(self):
+        self.scale = 1.0
+        self.sums: list[torch.Tensor] = []
+
+    def __call__(self, loss_sum, _target):
+        loss_sum = loss_sum.to_local() if isinstance(loss_sum, DTensor) else loss_sum
+        self.sums.append(loss_sum.detach())
+        return loss_sum * self.scale
+
+    def take(self, microbatches: int) -> torch.Tensor | None:
+        """The summed loss of the last `microbatches` calls (the first step also infers the
+        stages' shapes with a forward whose loss is not a microbatch's), or None."""
+        sums, self.sums = self.sums[-microbatches:], []
+        return torch.stack(sums).sum() if sums else None
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stages as one model for the optimizer, checkpoints, clipping and init: it
+    holds their submodules under the whole model's names (tok_embeddings, layers.N, norm,
+    output), so state-dict keys do not depend on the layout. Training runs `forward_backward`;
+    calling it runs the schedule forward only (validation)."""
+
+    def __init__(self, stages, stage_ids, plan: PipelinePlan, pp_mesh: DeviceMesh, device):
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if name == "layers":
+                    self.layers.update(child)
+                else:
+                    setattr(self, name, child)
+        self._stages = stages  # a plain list: not submodules, so names stay the whole model's
+        self.args = stages[0].args
+        self.has_first, self.microbatches = 0 in stage_ids, plan.microbatches
+        group = pp_mesh.get_group()
+        pipeline_stages = [PipelineStage(m, i, plan.num_stages, device, group=group)
+                           for m, i in zip(stages, stage_ids)]  # fmt: skip
+        cls, self.loss = get_schedule_class(plan.schedule), ScaledLoss()
+        multi = issubclass(cls, PipelineScheduleMulti)
+        self.schedule = cls(
+            pipeline_stages if multi else pipeline_stages[0], plan.microbatches,
+            loss_fn=self.loss, scale_grads=False,
+        )  # fmt: skip
+        self.device = device
+
+    def param_init(self, name: str):
+        return self._stages[0].param_init(name)
+
+    def init_buffers(self, device=None):
+        for stage in self._stages:
+            stage.init_buffers(device)
+
+    def reshard(self):
+        for stage in self._stages:
+            if hasattr(stage, "reshard"):
+                stage.reshard()
+
+    def _run(self, run, tokens, labels, chunk_tokens) -> torch.Tensor:
+        inputs = (tokens,) if self.has_first else ()
+        run(*inputs, target=labels, labels=labels, chunk_tokens=chunk_tokens, return_outputs=False)
+        loss_sum = self.loss.take(self.microbatches)
+        return torch.zeros((), device=self.device) if loss_sum is None else loss_sum
+
+    def forward_backward(self, tokens, labels, loss_scale, chunk_tokens=0) -> torch.Tensor:
+        """One accumulation microbatch through the schedule, every pipeline microbatch's summed
+        loss times `loss_scale`; returns this rank's summed loss (0 without the last stage)."""
+        self.loss.scale = loss_scale
+        return self._run(self.schedule.step, tokens, labels, chunk_tokens)
+
+    def forward(self, tokens, labels, chunk_tokens=0) -> torch.Tensor:
+        return self._run(self.schedule.eval, tokens, labels, chunk_tokens)
