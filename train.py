@@ -545,7 +545,8 @@ def dry_run(cfg: JobConfig) -> int:
     init_model(model, cfg.training.seed, device, draw_weights=True)
     t2 = time.perf_counter()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
-    setup = setup_from_config(cfg, world, job.model_args.vocab_size, device="cuda")
+    # On CUDA, the target; for this rank's pipeline stages under PP.
+    setup = setup_from_config(cfg, world, job.model_args.vocab_size, device="cuda", rank=rank)
     report = {
         "world_size": world,
         "rank": rank,
@@ -554,10 +555,11 @@ def dry_run(cfg: JobConfig) -> int:
         "params_local": sum(local_value(p).numel() for p in model.parameters()),
         "build_seconds": round(t1 - t0, 3),
         "init_seconds": round(t2 - t1, 3),
-        "estimated_peak_gib": round(estimate(setup).total / GIB, 3),  # on CUDA, the target
+        "estimated_peak_gib": round(estimate(setup).total / GIB, 3),
         "checkpoint_bytes": 3 * weights,  # fp32 weights and AdamW's two moments
         "global_batch_size": job.global_batch_size,
         "microbatches": job.num_microbatches,
+        "pipeline_stages": pipeline_stages(job.pipeline, job.parallel_dims),
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
     }
     out = Path(cfg.job.dump_folder) / "dry_run.json"
@@ -567,6 +569,15 @@ def dry_run(cfg: JobConfig) -> int:
                 rank, world, json.dumps(report, indent=2), out)  # fmt: skip
     destroy()
     return 0
+
+
+def pipeline_stages(plan: PipelinePlan | None, parallel_dims: ParallelDims) -> dict | None:
+    """{stage: its layers as [first, last]} of this rank's pipeline stages (None without PP)."""
+    if plan is None:
+        return None
+    pp_rank = parallel_dims.pp_mesh.get_local_rank()
+    ids = plan.stage_ids(pp_rank, parallel_dims.pp)
+    return {i: [plan.stage_layers[i].start, plan.stage_layers[i].stop - 1] for i in ids}
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlite.config import ConfigError, parse_args  # noqa: E402
-from titanlite.memory_estimate import GIB, estimate, setup_from_config  # noqa: E402
+from titanlite.memory_estimate import (  # noqa: E402
+    GIB,
+    estimate,
+    estimate_stages,
+    setup_from_config,
+)
 
 LLAMA3_VOCAB = 128256
 _EXTRA = {"--world_size": int, "--vocab_size": int, "--device": str, "--measure": int}
@@ -89,6 +94,21 @@ def measure(cfg, steps: int) -> float:
     return _rss_bytes("VmHWM") - baseline
 
 
+def print_stages(setup):
+    """One column per pipeline rank (its stages' blocks, embedding / head); returns the
+    estimate of the rank with the highest peak."""
+    stages = estimate_stages(setup)
+    ranks = range(setup.pp)
+    print(f"{'GiB per pipeline rank':<34}" + "".join(f"{'pp ' + str(r):>9}" for r in ranks))
+    for row in stages[0].rows:
+        print(f"{row:<34}" + "".join(f"{e.rows[row] / GIB:>9.3f}" for e in stages))
+    print(
+        f"{'total (estimated peak per rank)':<34}"
+        + "".join(f"{e.total / GIB:>9.3f}" for e in stages)
+    )
+    return max(stages, key=lambda e: e.total)
+
+
 def main(argv: list[str]) -> int:
     try:
         extra, rest = split_extra(argv)
@@ -105,12 +125,16 @@ def main(argv: list[str]) -> int:
     s = setup
     print(
         f"{cfg.model.flavor}: {est.num_params / 1e9:.3f} B params, vocab {vocab}; world {world} "
-        f"= dp_replicate {s.dp_replicate} x dp_shard {s.dp_shard} x cp {s.cp} x tp {s.tp}; local "
+        f"= pp {s.pp} x dp_replicate {s.dp_replicate} x dp_shard {s.dp_shard} x cp {s.cp} x "
+        f"tp {s.tp}; local "
         f"batch {s.local_batch_size} x seq {s.seq_len}; AC {s.ac_mode}"
         + (f" ({s.selective_ac_option})" if s.ac_mode == "selective" else "")
         + f"; loss chunk {s.chunk_tokens or 'off'}; {s.param_dtype}; device {s.device}"
     )
-    print(est.table())
+    if s.pp > 1:
+        est = print_stages(setup)
+    else:
+        print(est.table())
     print(f"estimated peak per rank: {est.total / GIB:.1f} GiB")
     if extra.get("measure"):
         measured = measure(cfg, extra["measure"])

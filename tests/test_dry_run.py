@@ -49,6 +49,25 @@ def test_dry_run_builds_only_this_ranks_share(tmp_path, flavor, world, tp):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dry_run.json"]  # nothing else written
 
 
+def test_dry_run_under_pp_builds_this_ranks_stage(tmp_path):
+    """Rank 40 of 64 = PP 2 x dp_shard 4 x TP 8 is on the second of two stages: layers 3-5, the
+    final norm and the output; its shard is 1/32 of that stage, its estimate the last stage's."""
+    args = [*SMALL, "--comm.mode", "fake_backend", "--comm.fake_world_size", "64"]
+    args += ["--comm.fake_rank", "40", "--parallelism.tensor_parallel_degree", "8"]
+    args += ["--parallelism.pipeline_parallel_degree", "2"]
+    run([*args, "--job.dump_folder", str(tmp_path)])
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert "pp=2, dp_replicate=1, dp_shard=4" in report["layout"]
+    assert report["pipeline_stages"] == {"1": [3, 5]}
+    cfg = parse_args(args)
+    model_args = train.model_args_for(cfg, train.build_tokenizer(cfg.model))
+    with torch.device("meta"):
+        whole = Transformer(model_args)
+    held = ("layers.3.", "layers.4.", "layers.5.", "norm.", "output.")
+    stage = sum(p.numel() for n, p in whole.named_parameters() if n.startswith(held))
+    assert report["params_local"] == pytest.approx(stage / 32, rel=0.01)
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [

@@ -11,7 +11,9 @@ from titanlite.memory_estimate import (
     GIB,
     MemorySetup,
     activation_bytes,
+    block_activation_elems,
     estimate,
+    estimate_stages,
     loss_bytes,
     param_counts,
     setup_from_config,
@@ -30,13 +32,11 @@ def setup(**kw) -> MemorySetup:
 
 def test_param_counts_by_hand():
     c = param_counts(ARGS)
-    block = 4 * 64 * 64 + 3 * 64 * 256 + 2 * 64  # wq wk wv wo, w1 w2 w3, two norms
-    root = 128 * 64 * 2 + 64  # embedding, output, final norm
-    assert c["block"] == block
-    assert c["root"] == root
-    assert c["total"] == 2 * block + root
-    assert c["replicated"] == 2 * 2 * 64 + 64  # norms only
-    assert c["tp_split"] == c["total"] - c["replicated"]
+    assert c["block_split"] == 4 * 64 * 64 + 3 * 64 * 256  # wq wk wv wo, w1 w2 w3
+    assert c["block_replicated"] == 2 * 64  # its two norms
+    assert c["embedding"] == c["output"] == 128 * 64 and c["norm"] == 64
+    block = c["block_split"] + c["block_replicated"]
+    assert c["total"] == 2 * block + 2 * 128 * 64 + 64
 
 
 def test_fsdp_splits_params_grads_and_states_1_over_n():
@@ -60,9 +60,9 @@ def test_hsdp_replication_does_not_shard():
 def test_tp_splits_matmul_weights_not_norms():
     c = param_counts(ARGS)
     rows = estimate(setup(tp=2)).rows
-    assert rows["params (fp32, sharded)"] == pytest.approx(
-        (c["tp_split"] / 2 + c["replicated"]) * 4
-    )
+    split = 2 * c["block_split"] + c["embedding"] + c["output"]
+    replicated = 2 * c["block_replicated"] + c["norm"]
+    assert rows["params (fp32, sharded)"] == pytest.approx((split / 2 + replicated) * 4)
 
 
 def test_tp_divides_activations_except_gathered_norm_outputs():
@@ -155,3 +155,41 @@ def test_cli_8b_fsdp8():
     total = float(out.rsplit("estimated peak per rank:", 1)[1].split()[0])
     assert 20 < total < 80, out  # a sane per-GPU figure for 8B FSDP 8 (not a measurement)
     assert GIB == 2**30
+
+
+def pp_setup(schedule="1F1B", **kw) -> MemorySetup:
+    options = parse_args(["--parallelism.pipeline_parallel_schedule", schedule]).parallelism
+    return setup(pp=2, pp_options=options, param_dtype="float32", **kw)
+
+
+def test_pp_ranks_hold_their_stages_and_the_ends_the_root_parts():
+    """ARGS' 2 layers on PP 2: one block a stage; the embedding on rank 0, the final norm,
+    output and logits on rank 1; activations of min(microbatches, pp - rank) microbatches
+    of 1 row (1F1B) or all of them (GPipe)."""
+    c = param_counts(ARGS)
+    block = c["block_split"] + c["block_replicated"]
+    first, last = (replace(pp_setup(), pp_rank=r) for r in (0, 1))
+    assert estimate(first).rows["params (fp32, sharded)"] == (block + c["embedding"]) * 4
+    assert estimate(last).rows["params (fp32, sharded)"] == (block + c["output"] + c["norm"]) * 4
+    assert loss_bytes(first) == 0 and loss_bytes(last) > 0
+    tokens, (full, _, _) = 16, block_activation_elems(first)
+    per_mb = tokens * full * 4  # one block of one 1-row microbatch, fp32
+    assert activation_bytes(first) == pytest.approx(per_mb * (2 + 1))  # 2 in flight + 1 block
+    assert activation_bytes(last) == pytest.approx(per_mb * (1 + 1))
+    gpipe = replace(pp_setup("GPipe", local_batch_size=4), pp_rank=1)
+    assert activation_bytes(gpipe) == pytest.approx(per_mb * (4 + 1))
+
+
+def test_pp_estimates_every_stage_of_the_405b_config():
+    cfg = parse_args(["--job.config_file", "llama_405b.toml",
+                      "--parallelism.pipeline_parallel_degree", "8",
+                      "--training.local_batch_size", "8"])  # fmt: skip
+    stages = estimate_stages(setup_from_config(cfg, 512, 128256))
+    assert len(stages) == 8
+    flat = estimate(setup_from_config(cfg, 512, 128256, rank=0))
+    assert flat.total == stages[0].total  # global rank 0 is on pipeline rank 0
+    params = sum(e.rows["params (fp32, sharded)"] for e in stages) * 8 * 8  # x dp_shard x tp
+    assert params == pytest.approx(stages[0].num_params * 4, rel=0.02)  # norms replicate over tp
+    # 1F1B: the first stage keeps the most microbatches in flight.
+    acts = [e.rows["activations (AC full)"] for e in stages]
+    assert acts == sorted(acts, reverse=True) and acts[0] > 2 * acts[-1]

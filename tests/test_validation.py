@@ -77,12 +77,17 @@ def test_val_metrics_on_the_right_steps(one_process):
 
 @pytest.mark.parametrize(
     "layout",
-    [[], ["--parallelism.context_parallel_degree", "2"]],
-    ids=["fsdp2", "cp2"],
+    [
+        [],
+        ["--parallelism.context_parallel_degree", "2"],
+        ["--parallelism.pipeline_parallel_degree", "2"],
+    ],
+    ids=["fsdp2", "cp2", "pp2"],
 )
 def test_two_ranks_match_one_process(layout, args, one_process, tmp_path):
-    """Ragged documents, 4 (1 process, CP 2) or 2 (FSDP 2) microbatches per step: training and
-    validation losses equal one process's (CP: every sequence's labels split over 2 ranks)."""
+    """Ragged documents, 4 (1 process, CP 2, PP 2) or 2 (FSDP 2) microbatches per step: training
+    and validation losses equal one process's (CP: every sequence's labels split over 2 ranks;
+    PP: validation runs the schedule forward only, the loss on the last stage)."""
     run_train([*args, *layout, "--job.dump_folder", str(tmp_path)], nproc=2)
     ref, got = read_jsonl(one_process / "metrics.jsonl"), read_jsonl(tmp_path / "metrics.jsonl")
     ref_val, got_val = val_rows(ref), val_rows(got)

@@ -39,14 +39,24 @@ error):
   temporaries live in host memory, none of it on the device; FSDP applies, as with bf16. The
   device copies of one unit's shards before its all-gather (1/dp_shard of the unit) are left
   out.
+- Pipeline parallelism: pipeline rank r holds its stages' blocks (the split of pipeline.py), the
+  embedding on the first stage and the final norm + output on the last. Activations are kept
+  for the pipeline microbatches in flight, each of pipeline_parallel_microbatch_size rows:
+  GPipe all of them; 1F1B min(n, pp - r); multi-stage schedules (v stages a rank) count stage
+  forwards in flight, min(n v, (v - 1) pp + 2 (pp - 1 - r) + 1), torch's interleaved warm-up,
+  each of one stage's blocks (zero-bubble and V schedules are taken to hold the same). The
+  logits exist for one pipeline microbatch at a time. FSDP keeps every block of a stage
+  unsharded (fsdp_reshard_after_forward default under PP). The received activations and the
+  gradients sent back are not counted separately.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.model import Transformer
+from titanlite.models.llama.pipeline import SINGLE_STAGE, plan_pipeline
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -80,6 +90,9 @@ class MemorySetup:
     loss_parallel: bool = False
     reshard_after_forward: str = "default"
     cpu_offload: bool = False  # training.enable_cpu_offload
+    pp: int = 1
+    pp_rank: int = 0  # the pipeline rank whose memory is estimated
+    pp_options: object = None  # the parallelism config section (pipeline_parallel_*), with pp > 1
     device: str = "cuda"  # "cpu": no context allowance, no fragmentation factor
     overhead_gib: float | None = None  # None = DEFAULT_CUDA_OVERHEAD_GIB on cuda, 0 on cpu
 
@@ -91,7 +104,7 @@ class MemorySetup:
             raise ValueError(f"selective_ac_option must be 'op' or a positive int, got {opt!r}")
         if self.param_dtype not in DTYPE_BYTES:
             raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}")
-        for name in ("dp_replicate", "dp_shard", "tp", "cp", "local_batch_size", "seq_len"):
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "local_batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -104,8 +117,40 @@ class MemorySetup:
 
     @property
     def local_tokens(self) -> int:
-        """Tokens of one microbatch on this rank: CP ranks hold 1/cp of each sequence."""
-        return self.local_batch_size * self.seq_len // self.cp
+        """Tokens of one (pipeline) microbatch on this rank: CP ranks hold 1/cp of each
+        sequence."""
+        return self.share.rows * self.seq_len // self.cp
+
+    @property
+    def share(self) -> "RankShare":
+        """What this rank holds and runs: all of the model, or its pipeline stages."""
+        a = self.model_args
+        if self.pp == 1:
+            return RankShare(a.n_layers, True, True, 1.0, self.local_batch_size)
+        p = self.pp_options
+        plan = plan_pipeline(a.n_layers, self.pp, self.local_batch_size, p)
+        ids = plan.stage_ids(self.pp_rank, self.pp)
+        blocks = sum(len(plan.stage_layers[i]) for i in ids)
+        n, v, r = plan.microbatches, plan.stages_per_rank, self.pp_rank
+        if plan.schedule == "GPipe":
+            in_flight = n
+        elif plan.schedule in SINGLE_STAGE:
+            in_flight = min(n, self.pp - r)
+        else:  # stage forwards of 1/v of the rank's blocks each
+            in_flight = min(n * v, (v - 1) * self.pp + 2 * (self.pp - 1 - r) + 1) / v
+        last = plan.num_stages - 1
+        return RankShare(
+            blocks, 0 in ids, last in ids, in_flight, p.pipeline_parallel_microbatch_size
+        )
+
+
+@dataclass(frozen=True)
+class RankShare:
+    blocks: int  # transformer blocks held
+    embedding: bool
+    head: bool  # final norm, output and loss
+    in_flight: float  # microbatches whose activations of all `blocks` are kept at the peak
+    rows: int  # rows per (pipeline) microbatch
 
 
 @dataclass
@@ -126,26 +171,37 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
+_ROOT_PARTS = {"tok_embeddings": "embedding", "output": "output", "norm": "norm"}
+
+
 def param_counts(args: ModelArgs) -> dict[str, int]:
-    """Element counts of the meta-built model: 'tp_split', 'replicated' (norms), 'root' (the
-    parts outside the blocks, FSDP's root unit) and 'block' (one block), 'total'."""
+    """Element counts of the meta-built model: 'embedding', 'output', 'norm' (the final one),
+    and of one block 'block_split' (what TP splits) and 'block_replicated' (its norms); 'total'."""
     with torch.device("meta"):
         model = Transformer(args)
-    counts = {"tp_split": 0, "replicated": 0, "root": 0, "block": 0, "total": 0}
+    counts = dict.fromkeys(("embedding", "output", "norm", "block_split", "block_replicated"), 0)
     for name, p in model.named_parameters():
-        n = p.numel()
-        counts["total"] += n
-        counts["tp_split" if name.endswith(_TP_SPLIT) else "replicated"] += n
         if name.startswith("layers.0."):
-            counts["block"] += n
+            counts["block_split" if name.endswith(_TP_SPLIT) else "block_replicated"] += p.numel()
         elif not name.startswith("layers."):
-            counts["root"] += n
+            counts[_ROOT_PARTS[name.split(".")[0]]] += p.numel()
+    counts["total"] = sum(p.numel() for p in model.parameters())
     return counts
+
+
+def _held(counts: dict[str, int], s: MemorySetup, blocks: int) -> float:
+    """Elements of `blocks` blocks and the root parts this rank holds, after TP."""
+    share = s.share
+    block = counts["block_split"] / s.tp + counts["block_replicated"]
+    root = counts["embedding"] / s.tp if share.embedding else 0.0
+    if share.head:
+        root += counts["output"] / s.tp + counts["norm"]
+    return blocks * block + root
 
 
 def _local_params(counts: dict[str, int], s: MemorySetup) -> float:
     """Elements of the parameters this rank owns after TP then FSDP sharding."""
-    return (counts["tp_split"] / s.tp + counts["replicated"]) / (s.dp_shard * s.cp)
+    return _held(counts, s, s.share.blocks) / (s.dp_shard * s.cp)
 
 
 def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
@@ -171,23 +227,22 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
 
 
 def activation_bytes(s: MemorySetup) -> float:
-    """Saved activations of all blocks plus the recompute and gradient working set."""
-    a = s.model_args
-    tokens = s.local_tokens
+    """Saved activations of this rank's blocks for every microbatch in flight, plus one block
+    rebuilt by AC and one block of gradient buffers."""
+    share = s.share
+    n = share.blocks
     act = DTYPE_BYTES[s.param_dtype]
-    full, sac, ckpt = block_activation_elems(s)
-    full_bytes = full * act
+    full, sac, ckpt = (elems * act for elems in block_activation_elems(s))
     if s.ac_mode == "none":
-        saved = a.n_layers * full_bytes
+        kept, rebuilt = n * full, 0.0
     elif s.ac_mode == "full":
-        saved = a.n_layers * ckpt * act + full_bytes  # + one block rebuilt in backward
+        kept, rebuilt = n * ckpt, full
     elif s.selective_ac_option == "op":
-        saved = a.n_layers * sac * act + (full_bytes - sac * act)
+        kept, rebuilt = n * sac, full - sac
     else:
-        every = int(s.selective_ac_option)
-        n_ckpt = a.n_layers // every
-        saved = n_ckpt * ckpt * act + (a.n_layers - n_ckpt) * full_bytes + full_bytes
-    return tokens * (saved + full_bytes) + cp_mask_bytes(s)  # + one block of gradient buffers
+        n_ckpt = n // int(s.selective_ac_option)
+        kept, rebuilt = n_ckpt * ckpt + (n - n_ckpt) * full, full
+    return s.local_tokens * (kept * share.in_flight + rebuilt + full) + cp_mask_bytes(s)
 
 
 def cp_mask_bytes(s: MemorySetup) -> float:
@@ -200,6 +255,8 @@ def cp_mask_bytes(s: MemorySetup) -> float:
 
 def loss_bytes(s: MemorySetup) -> float:
     """Logits and their gradients at the loss, the largest single term for big vocabularies."""
+    if not s.share.head:
+        return 0.0
     a = s.model_args
     tokens = s.local_tokens
     act = DTYPE_BYTES[s.param_dtype]
@@ -220,9 +277,13 @@ def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
     if not s.fsdp:
         return 0.0
     # FSDP all-gathers over dp_shard x cp only: the gathered weights are still TP-local (1/tp).
-    root = counts["root"] / s.tp * pb  # the root stays unsharded for the whole step
-    block = counts["block"] / s.tp
-    in_flight = s.model_args.n_layers if s.reshard_after_forward == "never" else 2
+    # The root stays unsharded for the whole step; so do a pipeline stage's blocks by default.
+    root = _held(counts, s, 0) * pb
+    block = _held(counts, s, 1) - _held(counts, s, 0)
+    keep_all = s.reshard_after_forward == "never" or (
+        s.pp > 1 and s.reshard_after_forward == "default"
+    )
+    in_flight = s.share.blocks if keep_all else 2
     return root + in_flight * block * pb + block * 4  # gathered weights + fp32 RS input
 
 
@@ -250,8 +311,14 @@ def estimate(s: MemorySetup) -> MemoryEstimate:
     return est
 
 
-def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda"):
-    """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`)."""
+def estimate_stages(s: MemorySetup) -> list[MemoryEstimate]:
+    """One estimate per pipeline rank (one in all without PP)."""
+    return [estimate(replace(s, pp_rank=r)) for r in range(s.pp)]
+
+
+def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda", rank: int = 0):
+    """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`), for the
+    pipeline rank of global `rank` (pipeline stages are the mesh's outermost dim)."""
     from titanlite.models.llama.args import get_model_args
     from titanlite.parallel_dims import ParallelDims
 
@@ -262,6 +329,7 @@ def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda
         p.tensor_parallel_degree,
         world_size,
         cp=p.context_parallel_degree,
+        pp=p.pipeline_parallel_degree,
     )
     t = cfg.training
     args = get_model_args(cfg.model.flavor, vocab_size, t.seq_len, cfg.model.use_scaled_rope)
@@ -281,6 +349,9 @@ def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda
         reshard_after_forward=p.fsdp_reshard_after_forward,
         cpu_offload=t.enable_cpu_offload,
         device=device,
+        pp=pd.pp,
+        pp_rank=rank // (world_size // pd.pp),
+        pp_options=p,
     )
 
 
