@@ -56,6 +56,23 @@ PRESETS: dict[str, list[tuple[str, int, list[str], str]]] = {
         for dt in ("float32", "bfloat16")
         for n in (1, 2, 4)
     ],
+    # Pipeline vs FSDP on 2 processes, the same global batch of 16 sequences: FSDP 2 runs one
+    # microbatch of 8 per rank, PP 2 two schedule steps of 8 pipeline microbatches of 1.
+    "cpu_pp": [
+        (name, n, [*DEBUG, "--training.mixed_precision_param", "float32",
+                   "--training.local_batch_size", "8", "--training.global_batch_size", "16",
+                   *extra], "")
+        for name, n, extra in (
+            ("debug_fp32_1p", 1, []),
+            ("debug_fp32_fsdp2", 2, []),
+            ("debug_fp32_pp2_1f1b", 2, ["--parallelism.pipeline_parallel_degree", "2"]),
+            ("debug_fp32_pp2_gpipe", 2, ["--parallelism.pipeline_parallel_degree", "2",
+                                         "--parallelism.pipeline_parallel_schedule", "GPipe"]),
+            ("debug_fp32_pp2_interleaved1f1b", 2, [
+                "--parallelism.pipeline_parallel_degree", "2",
+                "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+        )
+    ],
     "h100x8": [
         ("8b_fsdp8_sac_op", 8, [*_8B, "--no-compile.enable", "--loss.chunk_tokens", "0"], ""),
         ("8b_fsdp8_sac_op_compile", 8, [*_8B, "--loss.chunk_tokens", "0"], ""),

@@ -61,12 +61,20 @@ def test_bad_input_is_one_clear_line(tmp_path, train_runner, args, expected):
     assert "Traceback" not in proc.stderr
 
 
-def test_nonfinite_loss_stops_with_the_step_named(tmp_path, train_runner):
-    # An absurd learning rate blows the weights up after the first update.
-    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "5"]
-    proc = train_runner([*args, "--optimizer.lr", "1e30"], check=False)
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize("nproc, layout", [(1, []), (2, PP2)], ids=["one", "pp2"])
+def test_nonfinite_loss_stops_with_the_step_named(tmp_path, train_runner, nproc, layout):
+    """An absurd learning rate blows the weights up after the first update. Under PP the norm
+    is summed over the stages, so both ranks see it and stop at the same step (no hang)."""
+    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "5", *layout]
+    proc = train_runner([*args, "--optimizer.lr", "1e30"], nproc=nproc, check=False)
     assert proc.returncode != 0
-    assert "non-finite values at step" in proc.stderr + proc.stdout
+    out = proc.stderr + proc.stdout
+    assert "non-finite values at step" in out
+    # NonFiniteError's exit code, not a crash or a timeout (torchrun reports the first child).
+    assert proc.returncode == 3 if nproc == 1 else "exitcode  : 3" in proc.stderr, out
 
 
 def test_nonfinite_steps_can_be_skipped(tmp_path, train_runner):
