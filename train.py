@@ -623,6 +623,7 @@ def main(argv=None) -> int:
     # Only on exits every rank takes together: teardown has barriers that a crashed peer would
     # hang; after an unexpected error the process just dies and torchrun stops the others.
     trainer.close()
+    del trainer  # unreachable, so destroy() frees its process groups while Python is whole
     destroy()
     return code
 

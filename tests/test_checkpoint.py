@@ -502,6 +502,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from titanlite.distributed import destroy
 folder, mode = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
 world = dist.get_world_size()
@@ -531,8 +532,8 @@ else:
     full = full_state()
 if dist.get_rank() == 0:
     torch.save(full, os.path.join(folder, f"full_{mode}_{world}.pt"))
-dist.barrier()  # no rank tears down while rank 0 still gathers: gloo would abort it
-dist.destroy_process_group()
+del mgr, mesh, full
+destroy()  # barrier first (rank 0 may still be saving), then free the groups before exit
 """
 
 

@@ -4,6 +4,7 @@ Works the same under torchrun (any world size) and plain `python` (a one-rank pr
 every helper degrades to a no-op when there is nothing to reduce over.
 """
 
+import gc
 import math
 import os
 from collections.abc import Iterable
@@ -86,6 +87,10 @@ def destroy(barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+        # Groups still referenced from reference cycles (meshes held by a finished trainer's
+        # modules) would otherwise be freed during interpreter shutdown, where gloo's worker
+        # threads releasing their last work can abort the process ("terminate called ...").
+        gc.collect()
 
 
 def _group(mesh_or_group):
