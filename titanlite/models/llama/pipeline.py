@@ -180,24 +180,31 @@ def keep_tp_boundaries_local(stage: nn.Module, tp_mesh: DeviceMesh, first: bool,
         )
 
 
+def loss_as_vector(_module, _args, loss_sum):
+    """The last stage's output, a microbatch's summed loss, as a plain [1] tensor: the schedule
+    concatenates its outputs, which a 0-d tensor (or a replicated DTensor under loss parallel)
+    cannot be; `return_outputs=False`, which skips that, is missing from older torch."""
+    local = loss_sum.to_local() if isinstance(loss_sum, DTensor) else loss_sum
+    return local.reshape(1)
+
+
 class ScaledLoss:
-    """The schedule's loss function: the last stage's output is a microbatch's summed loss (a
-    replicated DTensor under loss parallel); it is kept, and returned times `scale`."""
+    """The schedule's loss function: the last stage's output is a microbatch's summed loss; it
+    is kept, and returned times `scale`."""
 
     def __init__(self):
         self.scale = 1.0
         self.sums: list[torch.Tensor] = []
 
     def __call__(self, loss_sum, _target):
-        loss_sum = loss_sum.to_local() if isinstance(loss_sum, DTensor) else loss_sum
         self.sums.append(loss_sum.detach())
-        return loss_sum * self.scale
+        return loss_sum.sum() * self.scale
 
     def take(self, microbatches: int) -> torch.Tensor | None:
         """The summed loss of the last `microbatches` calls (the first step also infers the
         stages' shapes with a forward whose loss is not a microbatch's), or None."""
         sums, self.sums = self.sums[-microbatches:], []
-        return torch.stack(sums).sum() if sums else None
+        return torch.cat(sums).sum() if sums else None
 
 
 class PipelinedModel(nn.Module):
@@ -219,6 +226,9 @@ class PipelinedModel(nn.Module):
         self.args = stages[0].args
         self.has_first, self.microbatches = 0 in stage_ids, plan.microbatches
         group = pp_mesh.get_group()
+        for stage, i in zip(stages, stage_ids):
+            if i == plan.num_stages - 1:
+                stage.register_forward_hook(loss_as_vector)
         pipeline_stages = [PipelineStage(m, i, plan.num_stages, device, group=group)
                            for m, i in zip(stages, stage_ids)]  # fmt: skip
         cls, self.loss = get_schedule_class(plan.schedule), ScaledLoss()
@@ -243,7 +253,7 @@ class PipelinedModel(nn.Module):
 
     def _run(self, run, tokens, labels, chunk_tokens) -> torch.Tensor:
         inputs = (tokens,) if self.has_first else ()
-        run(*inputs, target=labels, labels=labels, chunk_tokens=chunk_tokens, return_outputs=False)
+        run(*inputs, target=labels, labels=labels, chunk_tokens=chunk_tokens)
         loss_sum = self.loss.take(self.microbatches)
         return torch.zeros((), device=self.device) if loss_sum is None else loss_sum
 
