@@ -20,6 +20,7 @@ import resource
 import shutil
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -252,7 +253,7 @@ def check_pipeline_options(cfg: JobConfig) -> None:
 
 
 def model_args_for(cfg: JobConfig, tokenizer) -> ModelArgs:
-    return get_model_args(
+    args = get_model_args(
         cfg.model.flavor,
         vocab_size=pad_vocab(tokenizer.n_words),
         max_seq_len=cfg.training.seq_len,
@@ -261,6 +262,18 @@ def model_args_for(cfg: JobConfig, tokenizer) -> ModelArgs:
         eos_id=tokenizer.eos_id,
         document_masking=cfg.model.document_masking,
     )
+    backend = cfg.model.attention_backend
+    if backend == "auto":  # flex attention trains only on CUDA (no CPU backward in torch)
+        backend = "flex" if args.document_masking and torch.cuda.is_available() else "sdpa"
+    return replace(args, attention_backend=backend)
+
+
+def check_attention_device(model_args: ModelArgs, device: torch.device) -> None:
+    if model_args.attention_backend == "flex" and device.type == "cpu":
+        raise ConfigError(
+            "model.attention_backend flex cannot train on CPU: torch has no CPU backward for "
+            "flex attention; use sdpa (the same mask, dense) or auto"
+        )
 
 
 def build_model(cfg, model_args, parallel_dims, compute_dtype, device, pipeline=None):
@@ -315,7 +328,9 @@ class Trainer:
         t, ckpt = cfg.training, cfg.checkpoint
         self.rank, _, self.world_size, self.device = dist_env
         job = check_job(cfg, self.world_size)
-        check_float8_device(cfg, self.device)  # not in the dry run, whose CPU plays the GPUs
+        # Not in the dry run, whose CPU plays the GPUs.
+        check_float8_device(cfg, self.device)
+        check_attention_device(job.model_args, self.device)
         pd = self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.

@@ -2,6 +2,7 @@
 
 import pytest
 import tomllib
+import torch
 from conftest import read_jsonl
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -52,6 +53,12 @@ def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
         (["--model.flavor", "9B"], "debugmodel"),
         (["--checkpoint.enable", "--checkpoint.load_step", "7"], "no complete checkpoint"),
         (["--checkpoint.initial_load_path", "/no/such/step-0"], "/no/such/step-0"),
+        (["--model.attention_backend", "flex"], "flex only applies document masks"),
+        pytest.param(
+            ["--model.flavor", "debugmodel_flex_attn", "--model.attention_backend", "flex"],
+            "cannot train on CPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal"),
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, train_runner, args, expected):

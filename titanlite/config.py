@@ -63,6 +63,11 @@ class Model:
     vocab_limit: int = opt(0, "Keep only the first N BPE ranks (0 = all)", ge=0)
     use_scaled_rope: bool = opt(False, "Llama 3.1 RoPE frequency scaling")
     document_masking: bool = opt(False, "Attend only within each packed document (Llama 3)")
+    attention_backend: str = opt(
+        "auto",
+        "Kernel for document masks: flex attention, sdpa (dense mask), auto (flex on CUDA)",
+        choices=("auto", "sdpa", "flex"),
+    )
     converters: list[str] = opt(
         [], "Model converters applied before parallelism", choices=("quantize.linear.float8",)
     )

@@ -225,12 +225,12 @@ BOS, EOS = 500, 501
 
 @pytest.mark.parametrize("bos, eos", [(BOS, EOS), (EOS, EOS)], ids=["llama3", "one_token"])
 def test_document_mask_starts_a_document_at_bos_after_eos(bos, eos):
-    from titanlite.models.llama.model import document_causal_mask
+    from titanlite.models.llama.model import document_causal_mask, document_ids
 
     # The tail of a document, a whole one, the head of a third (an eos at position 0 is the end
     # of a document whose start is cut off).
     t = torch.tensor([[7, eos, bos, 8, 9, eos, bos, 10]])
-    mask = document_causal_mask(t, bos, eos)[0, 0]
+    mask = document_causal_mask(document_ids(t, bos, eos))[0, 0]
     docs = [0, 0, 1, 1, 1, 1, 2, 2]
     expected = torch.tensor([[docs[q] == docs[k] and k <= q for k in range(8)] for q in range(8)])
     assert torch.equal(mask, expected)
@@ -268,6 +268,35 @@ def test_document_masking_equals_each_document_on_its_own():
             if start:
                 assert (unmasked[start : start + len(d) - 1] - alone).abs().max() > 1e-2
             start += len(d)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_backend_equals_sdpa_mask():
+    """The flex block mask masks exactly what the dense SDPA mask does: the same logits, with
+    GQA and documents that cross 128-token mask blocks. Forward only: torch has no CPU backward
+    for flex attention (training with it needs CUDA, where it is compiled)."""
+    docs = torch.cat([_doc(n, seed) for seed, n in enumerate((150, 40, 3, 90), start=4)])
+    t = docs[None, :256].repeat(2, 1)
+    t[1] = t[1].roll(77)  # another split of documents in the second row
+    logits = {}
+    for backend in ("sdpa", "flex"):
+        model = build(
+            document_masking=True, bos_id=BOS, eos_id=EOS, n_kv_heads=4, max_seq_len=256,
+            attention_backend=backend,
+        )  # fmt: skip
+        with torch.no_grad():
+            logits[backend] = model(t)
+    torch.testing.assert_close(logits["flex"], logits["sdpa"], rtol=1e-5, atol=1e-5)
+    plain = build(n_kv_heads=4, max_seq_len=256)
+    with torch.no_grad():
+        assert (plain(t) - logits["flex"]).abs().max() > 1e-2  # the mask is not a no-op
+
+
+def test_flex_attention_backend_needs_document_masking():
+    with pytest.raises(ValueError, match="flex only applies document masks"):
+        build(attention_backend="flex")
+    with pytest.raises(ValueError, match="is sdpa or flex, not Flex"):
+        build(document_masking=True, bos_id=BOS, eos_id=EOS, attention_backend="Flex")
 
 
 def test_flex_attn_flavor_is_document_masking():

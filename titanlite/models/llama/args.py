@@ -19,6 +19,9 @@ class ModelArgs:
     # Document masking: tokens attend only within their own document of a packed sequence (as
     # Llama 3 was trained); a document starts at a bos_id right after an eos_id.
     document_masking: bool = False
+    # How document masks are applied: "sdpa" (a dense mask) or "flex" (flex attention's block
+    # mask: skips the blocks across documents; needs CUDA to train).
+    attention_backend: str = "sdpa"
     bos_id: int = -1
     eos_id: int = -1
 
@@ -33,6 +36,13 @@ class ModelArgs:
             raise ValueError(f"RoPE needs an even head_dim, got dim/n_heads = {self.head_dim}")
         if self.document_masking and min(self.bos_id, self.eos_id) < 0:
             raise ValueError("document_masking needs the tokenizer's bos_id and eos_id")
+        if self.attention_backend not in ("sdpa", "flex"):
+            raise ValueError(f"attention_backend is sdpa or flex, not {self.attention_backend}")
+        if self.attention_backend == "flex" and not self.document_masking:
+            raise ValueError(
+                "attention_backend flex only applies document masks; without document masking "
+                "the plain causal SDPA kernel is the fast one: use sdpa"
+            )
 
     @property
     def head_dim(self) -> int:

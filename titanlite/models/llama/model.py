@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanlite.loss import cross_entropy_sum, linear_cross_entropy_sum
 from titanlite.models.llama.args import ModelArgs
@@ -66,12 +67,15 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)  # [b, s, h, hd/2, 2] -> [b, s, h, hd]
 
 
-def causal_attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal SDPA of q [b, hq, s, hd] over k, v [b, hkv, s, hd] -> [b, hq, s, hd]; with `mask`
-    [b, 1, s, s] (True = attend, causal already) instead of the plain causal one.
+def causal_attention(q, k, v, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+    """Causal attention of q [b, hq, s, hd] over k, v [b, hkv, s, hd] -> [b, hq, s, hd]; with
+    `mask` (a dense [b, 1, s, s] bool mask, True = attend, causal already; or a flex BlockMask)
+    instead of the plain causal one.
 
-    GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order).
+    GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order; flex's too).
     """
+    if isinstance(mask, BlockMask):
+        return _flex_attention(q, k, v, mask)
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
@@ -79,17 +83,45 @@ def causal_attention(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
-def document_causal_mask(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
-    """[b, s] tokens of packed documents -> [b, 1, s, s] mask: causal within each document.
+_compiled_flex_attention = torch.compile(flex_attention)
+
+
+def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
+    # Eager flex_attention is a dense reference that materializes every score; compiled, it is
+    # the block-sparse kernel that skips the blocks across documents. On CPU it only runs
+    # without gradients (torch has no CPU backward for it): there the exact eager reference
+    # serves evaluation and spares a compile.
+    flex = flex_attention if q.device.type == "cpu" else _compiled_flex_attention
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
+    """[b, s] tokens of packed documents -> [b, s] the index of each token's document.
 
     A document starts at a bos right after an eos (not at every bos: some tokenizers use one
     token for both, and then only the pair marks a boundary).
     """
     starts = (tokens[:, 1:] == bos_id) & (tokens[:, :-1] == eos_id)  # [b, s-1]
-    doc = F.pad(starts.cumsum(dim=1), (1, 0))  # [b, s]: document index of each token
-    s = tokens.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+    return F.pad(starts.cumsum(dim=1), (1, 0))
+
+
+def document_causal_mask(doc: torch.Tensor) -> torch.Tensor:
+    """[b, s] document ids -> [b, 1, s, s] dense mask: causal within each document (SDPA)."""
+    s = doc.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
     return (doc[:, :, None] == doc[:, None, :]).logical_and(causal).unsqueeze(1)
+
+
+def document_block_mask(doc: torch.Tensor) -> BlockMask:
+    """[b, s] document ids -> the same mask for flex attention, stored per 128 x 128 block, so
+    attention skips the blocks where no query may see a key (most of them, with many short
+    documents) instead of reading an s x s mask."""
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    b, s = doc.shape
+    return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
 
 
 class Attention(nn.Module):
@@ -194,6 +226,15 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             fill_(param, self.param_init(name), seed=seed, key=name, global_shape=param.shape)
 
+    def attention_mask(self, tokens: torch.Tensor) -> torch.Tensor | BlockMask | None:
+        """None (plain causal) or the document mask of `tokens`, in the attention backend's form."""
+        if not self.args.document_masking:
+            return None
+        doc = document_ids(tokens, self.args.bos_id, self.args.eos_id)
+        if self.args.attention_backend == "flex":
+            return document_block_mask(doc)
+        return document_causal_mask(doc)
+
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count (global under FSDP/TP: DTensor.numel() is the full size)."""
         n = sum(p.numel() for p in self.parameters())
@@ -224,9 +265,7 @@ class Transformer(nn.Module):
             )
         # [max_seq_len, hd] -> [s, hd]
         rope_cache = self.rope_cache[:seq_len] if positions is None else self.rope_cache[positions]
-        mask = None
-        if self.args.document_masking:
-            mask = document_causal_mask(tokens, self.args.bos_id, self.args.eos_id)
+        mask = self.attention_mask(tokens)
         # A pipeline stage cut from this model may lack the embedding (it is given the previous
         # stage's hidden states) or the head (it returns its hidden states).
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # [b, s, dim]

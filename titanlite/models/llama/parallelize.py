@@ -162,6 +162,7 @@ _SAC_SAVE = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,  # what Hopper picks
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,  # document masks on CUDA
     # Under TP, recomputing would repeat the reduce-scatter collective.
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
