@@ -223,7 +223,7 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     )  # fmt: skip
     tokenizer = build_tokenizer(cfg.model)
     args = model_args_for(cfg, tokenizer)
-    pd.validate_model(args, p)
+    pd.validate_model(args)
     global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
     check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
     check_float8(cfg, pd)
@@ -341,7 +341,8 @@ class Trainer:
         vocab = self.model_args.vocab_size
         self.loader = build_train_loader(
             t, job.tokenizer, **ranks, global_batch_size=self.global_batch_size,
-            num_microbatches=job.num_microbatches, vocab_size=vocab, validation=cfg.validation,
+            num_microbatches=job.num_microbatches, vocab_size=vocab, seed=cfg.debug.seed,
+            validation=cfg.validation,
         )  # fmt: skip
         val_loader = None
         if cfg.validation.enable:
@@ -358,7 +359,7 @@ class Trainer:
             pipeline_forward_backward
         )  # fmt: skip
         # No weights are drawn that the checkpoint would overwrite (hours at 405B).
-        init_model(self.model, cfg.training.seed, self.device, draw_weights=load_plan is None)
+        init_model(self.model, cfg.debug.seed, self.device, draw_weights=load_plan is None)
         logger.info(
             "model %s %s: %s parameters, vocab %d, world %d %s, compute %s",
             cfg.model.name, cfg.model.flavor, f"{count_params(self.model_args, False):,}",
@@ -401,7 +402,7 @@ class Trainer:
 
     def model_context(self):
         """Around every forward and backward (CE backward on vocab-sharded logits needs it too)."""
-        return loss_parallel_ctx(self.cfg.parallelism.enable_loss_parallel)
+        return loss_parallel_ctx(self.parallel_dims.loss_parallel(self.cfg.parallelism))
 
     # ------------------------------------------------------------------ the schedule
     def train(self) -> int:
@@ -523,7 +524,7 @@ def write_seed_checkpoint(cfg: JobConfig) -> int:
     args = model_args_for(cfg, build_tokenizer(cfg.model))
     with torch.device("meta"):
         model = Transformer(args)
-    seed = cfg.training.seed
+    seed = cfg.debug.seed
 
     def drawn(name, shape):
         t = torch.empty(shape)
@@ -557,7 +558,7 @@ def dry_run(cfg: JobConfig) -> int:
     t0 = time.perf_counter()
     model = build_model(cfg, job.model_args, job.parallel_dims, compute_dtype, device, job.pipeline)
     t1 = time.perf_counter()
-    init_model(model, cfg.training.seed, device, draw_weights=True)
+    init_model(model, cfg.debug.seed, device, draw_weights=True)
     t2 = time.perf_counter()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
     # On CUDA, the target; for this rank's pipeline stages under PP.
@@ -613,8 +614,8 @@ def main(argv=None) -> int:
     dist_env = init_distributed(cpu_backend=cfg.training.enable_cpu_offload)
     rank = dist_env[0]
     init_logger(rank, int(os.environ.get("LOG_RANK", 0)))
-    torch.manual_seed(cfg.training.seed)
-    if cfg.training.deterministic:
+    torch.manual_seed(cfg.debug.seed)
+    if cfg.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     try:

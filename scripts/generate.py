@@ -154,7 +154,7 @@ def build_inference_model(job: Job, device: torch.device) -> Transformer:
         model = Transformer(job.model_args)
     if job.parallel_dims.tp_enabled:
         job.parallel_dims.build_mesh(device.type)
-        apply_tp(model, job.parallel_dims.tp_mesh, enable_loss_parallel=False)
+        apply_tp(model, job.parallel_dims.tp_mesh, shard_logits=False)
     model.to_empty(device=device).eval()
     model.init_buffers(device)  # the RoPE cache is derived, not saved
     # The loop reads only the last position's logits; registered after TP's own input hook, so

@@ -86,6 +86,16 @@ def test_missing_config_file_names_places(tmp_path, monkeypatch):
     assert "nope.toml" in msg and str(tmp_path / "nope.toml") in msg
 
 
+def test_torchtitan_spellings():
+    """torchtitan's command line negates a bool with a no_ key and takes hyphens too."""
+    cfg = parse_args(["--metrics.no_enable_tensorboard", "--compile.no-enable"])
+    assert cfg.metrics.enable_tensorboard is False and cfg.compile.enable is False
+    cfg = parse_args(["--lr-scheduler.warmup-steps", "7", "--parallelism.disable_loss_parallel"])
+    assert cfg.lr_scheduler.warmup_steps == 7 and cfg.parallelism.disable_loss_parallel
+    assert parse_args(["--debug.seed", "5", "--debug.deterministic"]).debug.seed == 5
+    assert "only applies to bool" in error(["--training.no_steps"])
+
+
 def test_unknown_cli_option_suggests():
     msg = error(["--training.stpes", "10"])
     assert "--training.stpes" in msg and "did you mean --training.steps?" in msg

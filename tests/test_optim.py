@@ -34,7 +34,7 @@ def lrs(sched_kw, total):
 
 def test_warmup_then_linear_decay_to_zero():
     lr = lrs({}, total=10)
-    assert lr[:4] == pytest.approx([1 / 5, 2 / 5, 3 / 5, 4 / 5])
+    assert lr[:4] == pytest.approx([1 / 4, 2 / 4, 3 / 4, 1.0])
     assert lr[4] == pytest.approx(1.0)
     assert lr[9] == pytest.approx(1 - 5 / 6)  # still decaying at the last step: never 0 early
     assert all(a > b for a, b in zip(lr[4:], lr[5:]))

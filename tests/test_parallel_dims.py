@@ -93,11 +93,14 @@ def test_pp_refuses_what_needs_the_tokens_in_every_stage():
         ParallelDims(1, 1, 1, 4, cp=2, pp=2).validate_model(replace(ARGS, max_seq_len=32))
 
 
-def test_loss_parallel_needs_tp():
-    lp = SimpleNamespace(enable_loss_parallel=True)
-    with pytest.raises(ValueError, match="enable_loss_parallel needs tensor_parallel_degree > 1"):
-        ParallelDims(1, 4, 1, 4).validate_model(ARGS, lp)
-    ParallelDims(1, 2, 2, 4).validate_model(ARGS, lp)
+def test_loss_parallel_is_on_under_tp_unless_disabled():
+    on, off = (
+        SimpleNamespace(disable_loss_parallel=False),
+        SimpleNamespace(disable_loss_parallel=True),
+    )
+    assert ParallelDims(1, 2, 2, 4).loss_parallel(on)
+    assert not ParallelDims(1, 2, 2, 4).loss_parallel(off)
+    assert not ParallelDims(1, 4, 1, 4).loss_parallel(on)  # no TP: nothing to shard the vocab over
     ParallelDims(1, 3, 1, 3).validate_model(ARGS)  # uneven FSDP shards are fine
 
 

@@ -31,11 +31,13 @@ FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 sta
 LAYOUTS = {
     "fsdp4": (4, ["--parallelism.data_parallel_shard_degree", "4"], 1e-4),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"], 1e-4),
-    "tp4": (4, ["--parallelism.tensor_parallel_degree", "4"], 1e-4),
+    # Gathered logits and a plain CE (loss parallel off), then loss parallel (on by default).
+    "tp4": (4, [
+        "--parallelism.tensor_parallel_degree", "4", "--parallelism.disable_loss_parallel",
+    ], 1e-4),
     "fsdp2xtp2_loss_parallel": (4, [
         "--parallelism.data_parallel_shard_degree", "2",
         "--parallelism.tensor_parallel_degree", "2",
-        "--parallelism.enable_loss_parallel",
     ], 1e-4),
     # The chunked loss under TP: vocab-sharded chunks, max/sum-exp all-reduced over TP.
     "fsdp2xtp2_chunked_loss": (4, [
@@ -70,8 +72,7 @@ LAYOUTS = {
     "pp2_replicate2": (4, [PP, "2", "--parallelism.data_parallel_replicate_degree", "2"], 1e-5),
     # The last stage computes the loss on vocab-sharded, chunked logits.
     "pp2_tp2_loss_parallel": (4, [
-        PP, "2", "--parallelism.tensor_parallel_degree", "2",
-        "--parallelism.enable_loss_parallel", "--loss.chunk_tokens", "24",
+        PP, "2", "--parallelism.tensor_parallel_degree", "2", "--loss.chunk_tokens", "24",
     ], 1e-5),
 }  # fmt: skip
 # Plain FSDP 2 x TP 2 runs from the seed checkpoint (test below): one 4-rank run covers both.
@@ -189,7 +190,6 @@ def test_seed_checkpoint_then_fsdp_x_tp(reference, tmp_path, train_runner):
     [
         (2, ["--parallelism.data_parallel_shard_degree", "4"], "but the world size is 2"),
         (3, ["--parallelism.tensor_parallel_degree", "3"], "must divide both n_heads (16)"),
-        (2, ["--parallelism.enable_loss_parallel"], "enable_loss_parallel needs tensor_parallel"),
         (
             2,
             ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
@@ -200,7 +200,6 @@ def test_seed_checkpoint_then_fsdp_x_tp(reference, tmp_path, train_runner):
     ids=[
         "degrees_vs_world",
         "tp_vs_heads",
-        "loss_parallel_without_tp",
         "seq_len_vs_cp",
         "pp_microbatches",
     ],  # fmt: skip

@@ -27,7 +27,7 @@ def main(jobs: list) -> None:
             dist.barrier()
             continue
         cfg = parse_args(job)
-        torch.manual_seed(cfg.training.seed)
+        torch.manual_seed(cfg.debug.seed)
         trainer = train.Trainer(cfg, dist_env)
         trainer.train()
         trainer.close()

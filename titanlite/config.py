@@ -143,8 +143,6 @@ class Training:
     seq_len: int = opt(2048, "Tokens per sequence", ge=1)
     steps: int = opt(10000, "Optimizer steps to run", ge=1)
     max_norm: float = opt(1.0, "Gradient clipping max norm")
-    seed: int = opt(42, "Random seed")
-    deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
     mixed_precision_param: str = opt(
         "auto",
         "Compute dtype of parameters in forward/backward; auto = bfloat16 where the device has "
@@ -172,7 +170,9 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "FSDP degree (-1 = all ranks left over)")
     context_parallel_degree: int = opt(1, "Context-parallel degree: ranks sharing each sequence")
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree")
-    enable_loss_parallel: bool = opt(False, "Compute the loss on vocab-sharded logits under TP")
+    disable_loss_parallel: bool = opt(
+        False, "Gather the logits under TP instead of computing the loss on vocab shards"
+    )
     fsdp_reshard_after_forward: str = opt(
         "default",
         "Free gathered params after forward (default: all blocks but the last; none under PP)",
@@ -325,6 +325,14 @@ class Quantize:
 
 
 @dataclass
+class Debug:
+    """Reproducibility (torchtitan's section name)."""
+
+    seed: int = opt(42, "Random seed of the weights and the data order")
+    deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
+
+
+@dataclass
 class JobConfig:
     """The whole run: one instance per section, named as in the TOML file."""
 
@@ -343,6 +351,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
     quantize: Quantize = field(default_factory=Quantize)
+    debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -472,6 +481,19 @@ def _set(cfg: JobConfig, name: str, value: Any) -> None:
     setattr(functools.reduce(getattr, tables, cfg), key, value)
 
 
+def _negation(name: str) -> tuple[bool, str]:
+    """(negated, option name) of a command-line name: `--no-section.key`, or torchtitan's
+    spellings `--section.no_key` and hyphens for underscores (`--job.config-file`)."""
+    if name.startswith("no-"):
+        return True, name.removeprefix("no-").replace("-", "_")
+    name = name.replace("-", "_")
+    section, _, key = name.rpartition(".")
+    plain = f"{section}.{key.removeprefix('no_')}"
+    if key.startswith("no_") and name not in OPTIONS and plain in OPTIONS:
+        return True, plain
+    return False, name
+
+
 def _parse_cli(argv: list[str]) -> dict[str, Any]:
     """Command-line options as {"section.key": typed value}; a later repeat wins."""
     values = {}
@@ -485,8 +507,7 @@ def _parse_cli(argv: list[str]) -> dict[str, Any]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key value")
         name, has_eq, text = arg[2:].partition("=")
-        negated = name.startswith("no-")
-        name = name.removeprefix("no-")
+        negated, name = _negation(name)
         prefix = "--no-" if negated else "--"
         if name not in OPTIONS:
             hint = _suggest(name, list(OPTIONS), prefix)

@@ -104,8 +104,9 @@ def lr_factor(
 ):
     """Multiplier of the peak LR at optimizer step `step` (0-based): warmup -> stable -> decay."""
     if step < warmup:
-        # (step + 1) so the very first update already moves the weights.
-        return (step + 1) / (warmup + 1)
+        # (step + 1) so the very first update already moves the weights; the peak is reached
+        # at the last warmup step (torchtitan's schedule, so its runs' LRs carry over).
+        return (step + 1) / warmup
     if step < stable_end:
         return 1.0
     progress = (step - stable_end) / max(1, total - stable_end)  # 0 -> 1 over the decay

@@ -104,9 +104,8 @@ class ParallelDims:
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
 
-    def validate_model(self, model_args, parallelism_cfg=None) -> None:
-        """Check the degrees against the model shapes and the loss options, before any weight is
-        allocated. parallelism_cfg is the config section (optional)."""
+    def validate_model(self, model_args) -> None:
+        """Check the degrees against the model shapes, before any weight is allocated."""
         n_heads = model_args.n_heads
         n_kv_heads = model_args.n_kv_heads or n_heads
         if n_heads % self.tp or n_kv_heads % self.tp:
@@ -140,12 +139,10 @@ class ParallelDims:
                 f"states, not the tokens their masks and splits are made from); turn one of "
                 f"them off"
             )
-        loss_parallel = bool(parallelism_cfg and parallelism_cfg.enable_loss_parallel)
-        if loss_parallel and not self.tp_enabled:
-            raise ValueError(
-                "parallelism.enable_loss_parallel needs tensor_parallel_degree > 1 (it splits the "
-                "vocabulary over TP ranks); turn it off or raise the TP degree"
-            )
+
+    def loss_parallel(self, parallelism_cfg) -> bool:
+        """The loss on vocab-sharded logits: under TP unless the config turns it off."""
+        return self.tp_enabled and not parallelism_cfg.disable_loss_parallel
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh (all four named dims, size-1 ones kept), world 1 included, and the

@@ -50,6 +50,7 @@ def test_cache_reuse_does_not_retokenize(data, tmp_path, tok, monkeypatch):
         global_batch_size=g,
         num_microbatches=n,
         vocab_size=tok.n_words,
+        seed=0,
     )
     loader.close()
     assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]  # no temp left

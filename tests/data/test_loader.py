@@ -32,7 +32,7 @@ def train_loader(cfg, tok, dp_rank=0, dp=1, val_cfg=None, vocab_size=None):
     g, n = resolve_global_batch(cfg, dp)
     return build_train_loader(
         cfg, tok, dp_rank=dp_rank, dp_degree=dp, global_batch_size=g, num_microbatches=n,
-        vocab_size=vocab_size or tok.n_words, validation=val_cfg,
+        vocab_size=vocab_size or tok.n_words, seed=0, validation=val_cfg,
     )  # fmt: skip
 
 

@@ -61,7 +61,7 @@ def loader(cfg, tok, dp_rank, dp):
     g, n = resolve_global_batch(cfg, dp)
     return build_train_loader(
         cfg, tok, dp_rank=dp_rank, dp_degree=dp, global_batch_size=g, num_microbatches=n,
-        vocab_size=tok.n_words,
+        vocab_size=tok.n_words, seed=0,
     )  # fmt: skip
 
 

@@ -92,7 +92,7 @@ def rows(cfg, tok, steps=3):
     g, n = resolve_global_batch(cfg, 1)
     loader = build_train_loader(
         cfg, tok, dp_rank=0, dp_degree=1, global_batch_size=g, num_microbatches=n,
-        vocab_size=tok.n_words,
+        vocab_size=tok.n_words, seed=0,
     )  # fmt: skip
     out = [loader.next_step()[0] for _ in range(steps)]
     loader.close()

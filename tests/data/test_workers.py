@@ -39,6 +39,7 @@ def loaders(cfg, tok, dp, local_batch_size):
             global_batch_size=g,
             num_microbatches=n,
             vocab_size=tok.n_words,
+            seed=0,
         )  # fmt: skip
         for r in range(dp)
     ]
@@ -130,7 +131,8 @@ cfg = Training(
     local_batch_size=8, dataloader=DataLoader(num_workers=2),
 )
 build_train_loader(
-    cfg, tok, dp_rank=0, dp_degree=1, global_batch_size=8, num_microbatches=1, vocab_size=256
+    cfg, tok, dp_rank=0, dp_degree=1, global_batch_size=8, num_microbatches=1, vocab_size=256,
+    seed=0,
 ).next_step()
 """
 

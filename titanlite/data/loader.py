@@ -441,10 +441,12 @@ def build_train_loader(
     global_batch_size: int,
     num_microbatches: int,
     vocab_size: int,
+    seed: int,
     validation: Validation | None = None,
 ) -> TrainLoader:
     """The training loader of one dp rank. `global_batch_size` and `num_microbatches` are
-    `titanlite.config.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's.
+    `titanlite.config.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's;
+    `seed` orders the samples.
     `validation` decides what is held out (None: its defaults, the same holdout as a run with
     validation on, so switching validation on does not change the training data)."""
     t, val = training, validation or Validation()
@@ -470,9 +472,9 @@ def build_train_loader(
                 f"({global_batch_size}); use more data, a smaller seq_len or a smaller "
                 "global_batch_size"
             )
-        order = _PermutedOrder(get, lo, hi, t.seed)
+        order = _PermutedOrder(get, lo, hi, seed)
     order_state = dict(
-        seed=t.seed,
+        seed=seed,
         seq_len=t.seq_len,
         global_batch_size=global_batch_size,
         packing=t.packing,

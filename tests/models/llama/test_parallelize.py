@@ -57,7 +57,7 @@ def cfgs(
 ):
     return dict(
         parallelism_cfg=SimpleNamespace(
-            enable_loss_parallel=loss_parallel, fsdp_reshard_after_forward=reshard
+            disable_loss_parallel=not loss_parallel, fsdp_reshard_after_forward=reshard
         ),
         param_dtype=DTYPES[param_dtype],
         reduce_dtype=torch.float32,
@@ -114,7 +114,7 @@ def run_layout(degrees, options, ref_state, ref_rope):
     """Build meta -> parallelize -> to_empty -> init; check init, shards; train. Rank-0 result."""
     lp = options.get("loss_parallel", False)
     pd = ParallelDims(*degrees, torch.distributed.get_world_size())
-    pd.validate_model(ARGS, SimpleNamespace(enable_loss_parallel=lp))
+    pd.validate_model(ARGS)
     pd.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(ARGS)

@@ -60,7 +60,7 @@ def parallelize_llama(
     materialize the parameters on the CPU (FSDP keeps the shards there).
     """
     if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.tp_mesh, parallelism_cfg.enable_loss_parallel)
+        apply_tp(model, parallel_dims.tp_mesh, parallel_dims.loss_parallel(parallelism_cfg))
     if parallel_dims.cp_enabled:
         apply_cp(model, parallel_dims.cp_mesh)
     # The 'op' policy goes inside the compiled blocks, whole-block AC outside them (apply_ac).
@@ -95,7 +95,7 @@ def loss_parallel_ctx(enabled: bool):
     return loss_parallel() if enabled else contextlib.nullcontext()
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_logits: bool) -> None:
     """Megatron TP with sequence parallelism on the norms.
 
     The residual stream stays a DTensor (use_local_output=False on tok_embeddings / wo / w2):
@@ -111,8 +111,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, enable_loss_parallel: bool) 
         "output": ColwiseParallel(
             input_layouts=Shard(1),
             # Loss parallel keeps the logits vocab-sharded; else gather them for a plain CE.
-            output_layouts=Shard(-1) if enable_loss_parallel else Replicate(),
-            use_local_output=not enable_loss_parallel,
+            output_layouts=Shard(-1) if shard_logits else Replicate(),
+            use_local_output=not shard_logits,
         ),
     }
     # A pipeline stage lacks the embedding or the head: plan only what it has.
