@@ -70,7 +70,13 @@ from titanlite.models.llama.parallelize import (
     loss_parallel_ctx,
     parallelize_llama,
 )
-from titanlite.models.llama.pipeline import PipelinedModel, PipelinePlan, cut_stages, plan_pipeline
+from titanlite.models.llama.pipeline import (
+    PipelinedModel,
+    PipelinePlan,
+    canonical_schedule,
+    cut_stages,
+    plan_pipeline,
+)
 from titanlite.models.tiled_init import fill_
 from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import ParallelDims
@@ -227,6 +233,7 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
     check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
     check_float8(cfg, pd)
+    canonical_schedule(p.pipeline_parallel_schedule)  # a typo fails with PP off too
     pipeline = None
     if pd.pp_enabled:
         check_pipeline_options(cfg)

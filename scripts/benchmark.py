@@ -73,6 +73,20 @@ PRESETS: dict[str, list[tuple[str, int, list[str], str]]] = {
                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
         )
     ],
+    # Issue 16's features against the plain run, one process, fp32, at 256 and 2,048 tokens per
+    # row (the dense document mask grows with the square of it).
+    "cpu_features": [
+        (f"debug_fp32_{name}_seq{seq}", 1, [
+            *DEBUG, "--training.mixed_precision_param", "float32", "--training.seq_len", str(seq),
+            "--training.local_batch_size", str(8 * 256 // seq), *extra], "")
+        for seq in (256, 2048)
+        for name, extra in (
+            ("plain", []),
+            ("document_masking", ["--model.document_masking"]),
+            ("float8_emulated", ["--model.converters", "quantize.linear.float8",
+                                 "--quantize.linear.float8.emulate"]),
+        )
+    ],
     "h100x8": [
         ("8b_fsdp8_sac_op", 8, [*_8B, "--no-compile.enable", "--loss.chunk_tokens", "0"], ""),
         ("8b_fsdp8_sac_op_compile", 8, [*_8B, "--loss.chunk_tokens", "0"], ""),

@@ -105,6 +105,14 @@ def test_unknown_cli_option_suggests():
     assert "--training.seq_len" in msg
 
 
+def test_moved_options_name_their_new_place(tmp_path):
+    assert error(["--training.seed", "3"]).endswith("it is now debug.seed")
+    path = write(tmp_path, "[parallelism]\nenable_loss_parallel = true\n")
+    assert "it is now parallelism.disable_loss_parallel (inverted" in error(
+        ["--job.config_file", str(path)]
+    )
+
+
 def test_unknown_toml_section_and_key_suggest(tmp_path):
     path = write(tmp_path, "[trainig]\nsteps = 3\n")
     msg = error(["--job.config_file", str(path)])

@@ -54,6 +54,7 @@ def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
         (["--checkpoint.enable", "--checkpoint.load_step", "7"], "no complete checkpoint"),
         (["--checkpoint.initial_load_path", "/no/such/step-0"], "/no/such/step-0"),
         (["--model.attention_backend", "flex"], "flex only applies document masks"),
+        (["--parallelism.pipeline_parallel_schedule", "1f1c"], "'1f1c' is not a known schedule"),
         pytest.param(
             ["--model.flavor", "debugmodel_flex_attn", "--model.attention_backend", "flex"],
             "cannot train on CPU",

@@ -378,8 +378,20 @@ _TYPE_NAME = {str: "a string", int: "an int", float: "a float", bool: "a bool", 
 _TYPE_LABELS = {str: "STR", int: "INT", float: "FLOAT", bool: "BOOL", list[str]: "LIST"}
 
 
+# Options that earlier titanlite versions spelled otherwise (a run's saved config.toml may).
+MOVED = {
+    "training.seed": "debug.seed",
+    "training.deterministic": "debug.deterministic",
+    "parallelism.enable_loss_parallel": (
+        "parallelism.disable_loss_parallel (inverted: loss parallel is on under TP by default)"
+    ),
+}
+
+
 def _suggest(name: str, candidates: list[str], prefix: str = "") -> str:
     """'; did you mean X?' for the closest candidate, by whole name or else by the key alone."""
+    if name in MOVED:
+        return f"; it is now {MOVED[name]}"
     match = difflib.get_close_matches(name, candidates, n=1)
     if not match:  # e.g. --steps: the section was left out, so compare keys only
         keys = {c.rpartition(".")[2] for c in candidates}
