@@ -148,6 +148,7 @@ class StepResult(NamedTuple):
     loss_sum: torch.Tensor  # this rank's summed loss (device)
     tokens: torch.Tensor  # the step's target tokens over all dp ranks (device)
     grad_norm: torch.Tensor
+    lr: float  # the learning rate this step used
     stop: bool  # some rank was asked to stop: every rank saves and exits after this step
     data_seconds: float
     seconds: float
@@ -475,10 +476,11 @@ class Trainer:
             self.after_optimizer_step(self.model)
         else:
             self.on_nonfinite(loss_sum, tokens, grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        return StepResult(loss_sum, tokens, grad_norm, stop, t_data, seconds)
+        return StepResult(loss_sum, tokens, grad_norm, lr, stop, t_data, seconds)
 
     def on_nonfinite(self, loss_sum, tokens, grad_norm):
         step = self.state.step + 1  # the step being taken, numbered as in the logs
@@ -510,7 +512,7 @@ class Trainer:
         values.update(
             loss=dist_sum(out.loss_sum, self.parallel_dims.loss_mesh) / out.tokens,
             grad_norm=out.grad_norm,
-            lr=self.scheduler.get_last_lr()[0],
+            lr=out.lr,
             **self.memory.log_values(),
             data_time_pct=100 * window.data_seconds / window.seconds,
             elapsed_s=self.state.elapsed_s,

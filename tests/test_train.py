@@ -32,8 +32,10 @@ def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
     # ln(2048) = 7.6 at init; the falling loss shows the whole pipeline learns.
     assert rows[0]["loss"] > 7.0
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
-    assert list((out / "tb").glob("events.out.tfevents.*"))
+    # The LR each logged step used: half the peak at step 1 of a 2-step warmup.
     resolved = tomllib.loads((out / "config.toml").read_text())
+    assert rows[0]["lr"] == pytest.approx(resolved["optimizer"]["lr"] / 2)
+    assert list((out / "tb").glob("events.out.tfevents.*"))
     assert resolved["training"]["steps"] == 30
     assert "mfu" in proc.stdout + proc.stderr
 
