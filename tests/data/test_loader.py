@@ -7,12 +7,7 @@ import torch
 from titanlite.config import Training, Validation, resolve_global_batch
 from titanlite.data import sources
 from titanlite.data.cache import prepare_token_cache
-from titanlite.data.loader import (
-    _PermutedOrder,
-    build_train_loader,
-    build_validation_loader,
-    collate,
-)
+from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.data.sources import HubDataset, build_source
 from titanlite.data.tokenizer import build_tokenizer
 
@@ -111,14 +106,6 @@ def test_streaming_path_invariant_and_in_stream_order(data, tmp_path, tok, monke
     assert all(torch.equal(a[0], b[0]) for a, b in zip(two, got, strict=True))
 
 
-def test_permutation_per_epoch():
-    order = _PermutedOrder(lambda i: i, 0, 50, seed=3)
-    e0, e1 = order.take(0, 50), order.take(50, 100)
-    assert sorted(e0) == sorted(e1) == list(range(50)) and e0 != e1
-    assert order.take(45, 55) == e0[45:] + e1[:5]  # a batch may span two epochs
-    assert _PermutedOrder(lambda i: i, 0, 50, seed=3).take(0, 50) == e0
-
-
 @pytest.mark.parametrize("resume_dp", [1, 2])
 def test_state_round_trip(data, tmp_path, tok, resume_dp):
     cfg = tcfg(data, tmp_path, local_batch_size=4)
@@ -200,18 +187,6 @@ def test_a_state_from_another_shuffle_is_refused(data, tmp_path, tok):
     with pytest.raises(ValueError, match="shuffle: checkpoint None.*exclude_from_loading"):
         ld.load_state_dict(old)
     ld.close()
-
-
-def test_collate_rejects_ids_outside_the_vocabulary():
-    rows = [np.array([1, 2, 3], dtype=np.uint32), np.empty(0, dtype=np.uint32)]
-    tokens, labels = collate(rows, 4, pad=0, vocab_size=4)  # padding and IGNORE_INDEX are fine
-    assert labels.tolist() == [[2, 3, -100, -100], [-100] * 4]
-    with pytest.raises(ValueError, match=r"token ids \[5, 7\].*vocab_size=4.*tokenizer"):
-        collate([np.array([1, 7, 5, 3], dtype=np.uint32)], 4, pad=0, vocab_size=4)
-    with pytest.raises(ValueError, match=r"token ids \[-5\]"):
-        collate([np.array([1, -5], dtype=np.int64)], 4, pad=0, vocab_size=4)
-    with pytest.raises(ValueError, match=r"token ids \[9\]"):  # an input that is no label
-        collate([np.array([9, 1], dtype=np.uint32)], 4, pad=0, vocab_size=4)
 
 
 def test_loaders_reject_a_tokenizer_larger_than_the_model(data, tmp_path, tok):

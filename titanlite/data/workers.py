@@ -1,8 +1,8 @@
 """Training microbatches made by torch DataLoader worker processes (training.dataloader).
 
 The main process keeps every decision about the data. Item (step, i) of the map-style dataset
-is microbatch i of this dp rank's rows of global step `step`: the rows the seeded permutation
-puts there, the ones `TrainLoader`'s own thread reads with num_workers 0. A worker only reads
+(`titanlite.data.order.Microbatches`) is microbatch i of this dp rank's rows of global step
+`step`, the same item `TrainLoader`'s own thread makes with num_workers 0. A worker only reads
 those windows from the memory-mapped token store and collates them, so the batches are bitwise
 the same for any number of workers, and the workers hold no state worth saving: the loader's
 state stays the global step, and a resume restarts the sampler at the checkpoint's step.
@@ -28,6 +28,7 @@ from itertools import count
 import torch
 
 from titanlite.config import DataLoader
+from titanlite.data.order import Microbatches
 from titanlite.preemption import SIGNALS
 
 logger = logging.getLogger(__name__)
@@ -41,20 +42,6 @@ def _ignore_stop_signals(worker_id: int) -> None:
     trainer's own handlers, spawned ones would die."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-
-
-class Microbatches(torch.utils.data.Dataset):
-    """Item (step, i) -> microbatch i of one dp rank's rows of global step `step`."""
-
-    def __init__(self, order, make_batch, *, global_batch_size, rank_start, local_batch_size):
-        self.order, self.make_batch = order, make_batch
-        self.global_batch_size, self.rank_start = global_batch_size, rank_start
-        self.local_batch_size = local_batch_size
-
-    def __getitem__(self, item: tuple[int, int]):
-        step, i = item
-        start = step * self.global_batch_size + self.rank_start + i * self.local_batch_size
-        return self.make_batch(self.order.take(start, start + self.local_batch_size))
 
 
 class _StepsFrom(torch.utils.data.Sampler):
@@ -79,8 +66,8 @@ class WorkerSteps:
     interpreter exit, before multiprocessing's own exit hook, whose SIGTERM they would ignore
     while it waits for them (a run that dies of an error would hang instead of exiting)."""
 
-    def __init__(self, items: Microbatches, num_microbatches: int, cfg: DataLoader, pin: bool):
-        self._sampler = _StepsFrom(num_microbatches)
+    def __init__(self, items: Microbatches, cfg: DataLoader, pin: bool):
+        self._sampler = _StepsFrom(items.num_microbatches)
         self._loader = torch.utils.data.DataLoader(
             items,
             batch_size=None,  # an item is already a microbatch

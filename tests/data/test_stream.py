@@ -1,13 +1,11 @@
-"""Sharded streaming (titanlite.data.loader with training.dataset_streaming): each dp rank reads
+"""Sharded streaming (titanlite.data.stream, with training.dataset_streaming): each dp rank reads
 its share of the files, the global batch does not depend on the microbatch split at a fixed dp
 degree, and a resume continues exactly where the checkpoint was taken without replaying the
 stream."""
 
-import json
 import shutil
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 from conftest import TINY_TRAIN, assert_nested_equal, read_jsonl, run_train
@@ -15,27 +13,13 @@ from torch import nn
 
 from titanlite.checkpoint import CheckpointManager, plan_load
 from titanlite.config import Checkpoint, Training, resolve_global_batch
-from titanlite.data.loader import _STREAM_DOCS_PER_CALL, build_train_loader
+from titanlite.data.loader import build_train_loader
+from titanlite.data.packing import cached_samples
+from titanlite.data.sources import local_source
+from titanlite.data.stream import DOCS_PER_CALL, validation_samples
 from titanlite.train_state import TrainState
 
 SEQ, G = 16, 8
-WORDS = ["alpha", "beta", "gamma", "delta", "pi", "x", "return", "def", "(", ")", "\n"]
-
-
-def write_shards(folder, num_files, docs_per_file, seed=0):
-    """`num_files` jsonl files of unique documents; returns every document, file by file."""
-    rng, docs = np.random.default_rng(seed), []
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in range(num_files):
-        mine = [
-            f"file {f} doc {i} " + " ".join(rng.choice(WORDS, rng.integers(3, 30)))
-            for i in range(docs_per_file)
-        ]
-        (folder / f"part-{f:02d}.jsonl").write_text(
-            "".join(json.dumps({"text": d}) + "\n" for d in mine)
-        )
-        docs += mine
-    return docs
 
 
 class CountingTokenizer:
@@ -75,7 +59,7 @@ def global_tokens(cfg, tok, dp, lb, steps):
 
 
 @pytest.mark.parametrize("num_files", [4, 3])
-def test_each_dp_rank_tokenizes_only_its_share(tmp_path, tok, num_files):
+def test_each_dp_rank_tokenizes_only_its_share(tmp_path, tok, num_files, write_shards):
     """4 files over 2 ranks: each rank reads 2 files; 3 files: each reads all of them but
     tokenizes every other document. Either way the ranks' documents are disjoint halves."""
     docs = write_shards(tmp_path, num_files, 24)
@@ -94,7 +78,7 @@ def test_each_dp_rank_tokenizes_only_its_share(tmp_path, tok, num_files):
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_global_batch_invariant_to_split_at_fixed_dp(tmp_path, tok, packing):
+def test_global_batch_invariant_to_split_at_fixed_dp(tmp_path, tok, packing, write_shards):
     write_shards(tmp_path, 4, 40)
     cfg = stream_cfg(tmp_path, packing=packing)
     for dp, splits in ((2, (4, 2, 1)), (1, (8, 1))):
@@ -105,7 +89,9 @@ def test_global_batch_invariant_to_split_at_fixed_dp(tmp_path, tok, packing):
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(tmp_path, tok, packing):
+def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(
+    tmp_path, tok, packing, write_shards
+):
     """Resume at step 60 of 2 ranks' streams, run 20 steps (past a chunk boundary), resume
     again: every step equals the uninterrupted run's. The resumed loader tokenizes at most the
     rest of one chunk besides the rows it serves (no replay of the 60 steps before)."""
@@ -138,11 +124,11 @@ def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(tmp_path, tok, p
         if packing:
             assert len(stream["carry"]) > 0  # a window ended mid-document: the carry is needed
         else:  # one document per row: the documents are countable
-            bound = _STREAM_DOCS_PER_CALL + 2 * per_rank  # the chunk's rest + the 2 steps made
+            bound = DOCS_PER_CALL + 2 * per_rank  # the chunk's rest + the 2 steps made
             assert len(counting.docs) <= bound < (k + m) * per_rank
 
 
-def test_changed_dp_degree_is_refused_with_the_fix(tmp_path, tok):
+def test_changed_dp_degree_is_refused_with_the_fix(tmp_path, tok, write_shards):
     """A checkpoint of a sharded stream at dp degree 2 cannot resume at dp degree 1 (its
     per-rank positions would repeat or skip data); the error names both ways out."""
     write_shards(tmp_path / "data", 4, 20)
@@ -186,7 +172,7 @@ TINY = [
 
 
 @pytest.mark.slow
-def test_train_resumes_a_stream_exactly_and_refuses_another_dp_degree(tmp_path):
+def test_train_resumes_a_stream_exactly_and_refuses_another_dp_degree(tmp_path, write_shards):
     """train.py on 2 dp ranks streaming 4 local files, checkpoint at step 5: a rerun from that
     checkpoint gives the uninterrupted run's losses for steps 6-8, bitwise; the same checkpoint
     under one process (dp degree 1) stops with the fix."""
@@ -204,3 +190,12 @@ def test_train_resumes_a_stream_exactly_and_refuses_another_dp_degree(tmp_path):
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "data-parallel degree 2, this run has 1" in log, log[-3000:]
     assert "exclude_from_loading dataloader" in log
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_validation_stream_is_read_whole_in_order(data, store, tok, packing):
+    """Every rank reads the whole stream once: the samples of the token store, in order."""
+    stream = local_source(str(data), streaming=True).stream
+    get, count = cached_samples(store, SEQ, packing)
+    got = [s.tolist() for s in validation_samples(stream, tok, SEQ, packing)]
+    assert got == [get(i).tolist() for i in range(count)]
