@@ -92,7 +92,7 @@ def test_global_batch_invariant_to_split(data, tmp_path, tok, packing):
 def test_streaming_path_invariant_and_in_stream_order(data, tmp_path, tok, monkeypatch):
     """The hub code path (streaming=True) on local jsonl: one dp rank gets the cache's windows,
     in order; at a fixed dp degree the global batch does not depend on the microbatch split
-    (each dp rank reads its own share: tests/data/test_loader_stream.py)."""
+    (each dp rank reads its own share: tests/data/test_stream.py)."""
     spec = HubDataset("json", None, "train", "train", data_files=[str(data)])
     monkeypatch.setitem(sources.HUB_DATASETS, "c4", spec)
     cfg = tcfg("", tmp_path, dataset="c4")
