@@ -1,12 +1,16 @@
 """Fixtures shared by the data tests: a small tokenizer, a ragged local corpus (in one file or in
-several) and a tiny token store of it."""
+several), a tiny token store of it, and training loaders built as the trainer builds them."""
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
+from titanlite.config import resolve_global_batch
+from titanlite.data.loader import build_train_loader
 from titanlite.data.sources import build_source
 from titanlite.data.store import TokenStore
 from titanlite.data.store_build import build_store
@@ -86,3 +90,61 @@ def store(build_tiny_store, tmp_path):
     """`data` in a tiny token store."""
     build_tiny_store(tmp_path / "store")
     return TokenStore(tmp_path / "store")
+
+
+def _train_loader(cfg, tok, dp_rank=0, dp=1, val_cfg=None, vocab_size=None):
+    """The training loader as the trainer builds it: the global batch resolved by the config."""
+    g, n = resolve_global_batch(cfg, dp)
+    return build_train_loader(
+        cfg, tok, dp_rank=dp_rank, dp_degree=dp, global_batch_size=g, num_microbatches=n,
+        vocab_size=vocab_size or tok.n_words, seed=0, validation=val_cfg,
+    )  # fmt: skip
+
+
+def _rank_loaders(cfg, tok, dp, local_batch_size, val_cfg=None):
+    cfg = replace(cfg, local_batch_size=local_batch_size)
+    return [_train_loader(cfg, tok, r, dp, val_cfg) for r in range(dp)]
+
+
+def _next_global_steps(loaders, steps):
+    out = []
+    for _ in range(steps):
+        parts = [mb for ld in loaders for mb in ld.next_step()]
+        out.append((torch.cat([t for t, _ in parts]), torch.cat([lab for _, lab in parts])))
+    return out
+
+
+def _global_steps(cfg, tok, dp, local_batch_size, steps, val_cfg=None):
+    loaders = _rank_loaders(cfg, tok, dp, local_batch_size, val_cfg)
+    out = _next_global_steps(loaders, steps)
+    for ld in loaders:
+        assert ld.num_microbatches == cfg.global_batch_size // (dp * local_batch_size)
+        ld.close()
+    return out
+
+
+@pytest.fixture
+def train_loader():
+    """(cfg, tok, dp_rank=0, dp=1, val_cfg=None, vocab_size=None) -> the training loader of dp
+    rank `dp_rank` of `dp`, as the trainer builds it (seed 0)."""
+    return _train_loader
+
+
+@pytest.fixture
+def rank_loaders():
+    """(cfg, tok, dp, local_batch_size, val_cfg=None) -> a training loader for each dp rank."""
+    return _rank_loaders
+
+
+@pytest.fixture
+def next_global_steps():
+    """(loaders, steps) -> the next `steps` global batches of the dp ranks' `loaders`:
+    [(tokens, labels)], each the concatenation of every rank's microbatches, rank-major."""
+    return _next_global_steps
+
+
+@pytest.fixture
+def global_steps():
+    """(cfg, tok, dp, local_batch_size, steps, val_cfg=None) -> the first `steps` global batches
+    (as `next_global_steps`) of loaders made for the purpose and closed."""
+    return _global_steps

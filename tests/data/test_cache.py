@@ -5,9 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from titanlite.config import Training, resolve_global_batch
+from titanlite.config import Training
 from titanlite.data.cache import cache_dir, cache_root, prepare_token_cache
-from titanlite.data.loader import build_train_loader
 from titanlite.data.sources import TextSource, build_source
 from titanlite.data.store_build import build_store
 
@@ -33,7 +32,7 @@ def test_cache_key_is_stable(tmp_path):
     assert cache.document(0).tolist() == [1, 2, 3] and cache.meta["version"] == 2
 
 
-def test_cache_reuse_does_not_retokenize(data, tmp_path, tok, monkeypatch):
+def test_cache_reuse_does_not_retokenize(data, tmp_path, tok, monkeypatch, train_loader):
     cache_dir = str(tmp_path / "cache")
     cfg = Training(dataset="local", dataset_path=str(data), data_cache_dir=cache_dir, seq_len=16)
     src = build_source("local", str(data))
@@ -41,17 +40,7 @@ def test_cache_reuse_does_not_retokenize(data, tmp_path, tok, monkeypatch):
     monkeypatch.setattr(type(tok), "encode_batch", lambda *a, **k: pytest.fail("retokenized"))
     cache = prepare_token_cache(src, tok, cfg.data_cache_dir)
     assert not cache.built
-    g, n = resolve_global_batch(cfg, 1)
-    loader = build_train_loader(
-        cfg,
-        tok,
-        dp_rank=0,
-        dp_degree=1,
-        global_batch_size=g,
-        num_microbatches=n,
-        vocab_size=tok.n_words,
-        seed=0,
-    )
+    loader = train_loader(cfg, tok)
     loader.close()
     assert [p.name for p in cache.path.parent.iterdir()] == [cache.path.name]  # no temp left
 

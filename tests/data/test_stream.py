@@ -4,7 +4,6 @@ degree, and a resume continues exactly where the checkpoint was taken without re
 stream."""
 
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +11,7 @@ from conftest import TINY_TRAIN, assert_nested_equal, read_jsonl, run_train
 from torch import nn
 
 from titanlite.checkpoint import CheckpointManager, plan_load
-from titanlite.config import Checkpoint, Training, resolve_global_batch
-from titanlite.data.loader import build_train_loader
+from titanlite.config import Checkpoint, Training
 from titanlite.data.packing import cached_samples
 from titanlite.data.sources import local_source
 from titanlite.data.stream import DOCS_PER_CALL, validation_samples
@@ -41,32 +39,17 @@ def stream_cfg(folder, **kw):
     return Training(**{**base, "seq_len": SEQ, "local_batch_size": 4, "global_batch_size": G, **kw})
 
 
-def loader(cfg, tok, dp_rank, dp):
-    g, n = resolve_global_batch(cfg, dp)
-    return build_train_loader(
-        cfg, tok, dp_rank=dp_rank, dp_degree=dp, global_batch_size=g, num_microbatches=n,
-        vocab_size=tok.n_words, seed=0,
-    )  # fmt: skip
-
-
-def global_tokens(cfg, tok, dp, lb, steps):
-    """Each step's input rows over all dp ranks and microbatches, rank-major."""
-    loaders = [loader(replace(cfg, local_batch_size=lb), tok, r, dp) for r in range(dp)]
-    out = [torch.cat([t for ld in loaders for t, _ in ld.next_step()]) for _ in range(steps)]
-    for ld in loaders:
-        ld.close()
-    return out
-
-
 @pytest.mark.parametrize("num_files", [4, 3])
-def test_each_dp_rank_tokenizes_only_its_share(tmp_path, tok, num_files, write_shards):
+def test_each_dp_rank_tokenizes_only_its_share(
+    tmp_path, tok, num_files, write_shards, train_loader
+):
     """4 files over 2 ranks: each rank reads 2 files; 3 files: each reads all of them but
     tokenizes every other document. Either way the ranks' documents are disjoint halves."""
     docs = write_shards(tmp_path, num_files, 24)
     cfg, shares = stream_cfg(tmp_path, packing=False), []
     for r in range(2):
         counting = CountingTokenizer(tok)
-        ld = loader(cfg, counting, r, 2)
+        ld = train_loader(cfg, counting, r, 2)
         for _ in range(len(docs) // G + 2):  # one row per document: past the end of its share
             ld.next_step()
         ld.close()
@@ -78,19 +61,21 @@ def test_each_dp_rank_tokenizes_only_its_share(tmp_path, tok, num_files, write_s
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_global_batch_invariant_to_split_at_fixed_dp(tmp_path, tok, packing, write_shards):
+def test_global_batch_invariant_to_split_at_fixed_dp(
+    tmp_path, tok, packing, write_shards, global_steps
+):
     write_shards(tmp_path, 4, 40)
     cfg = stream_cfg(tmp_path, packing=packing)
     for dp, splits in ((2, (4, 2, 1)), (1, (8, 1))):
-        ref = global_tokens(cfg, tok, dp, splits[0], steps=5)
+        ref = [t for t, _ in global_steps(cfg, tok, dp, splits[0], steps=5)]
         for lb in splits[1:]:
-            got = global_tokens(cfg, tok, dp, lb, steps=5)
+            got = [t for t, _ in global_steps(cfg, tok, dp, lb, steps=5)]
             assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), (dp, lb)
 
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(
-    tmp_path, tok, packing, write_shards
+    tmp_path, tok, packing, write_shards, train_loader
 ):
     """Resume at step 60 of 2 ranks' streams, run 20 steps (past a chunk boundary), resume
     again: every step equals the uninterrupted run's. The resumed loader tokenizes at most the
@@ -99,17 +84,17 @@ def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(
     cfg, k, m, dp = stream_cfg(tmp_path, packing=packing), 60, 20, 2
     per_rank = G // dp
     for r in range(dp):
-        run = loader(cfg, tok, r, dp)
+        run = train_loader(cfg, tok, r, dp)
         steps = [run.next_step() for _ in range(k + 2 * m)]
         run.close()
-        resumed, ld = [], loader(cfg, tok, r, dp)
+        resumed, ld = [], train_loader(cfg, tok, r, dp)
         for _ in range(k):
             ld.next_step()
         for _ in range(2):  # resume at k, then at k + m from the resumed loader's own state
             sd, stream = ld.state_dict(), ld.stream_state_dict()
             ld.close()
             assert stream["dp_rank"] == r and stream["dp_degree"] == dp
-            ld = loader(cfg, tok, r, dp)
+            ld = train_loader(cfg, tok, r, dp)
             ld.load_state_dict(sd, stream)
             resumed += [ld.next_step() for _ in range(m)]
         ld.close()
@@ -117,7 +102,7 @@ def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(
             assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
         assert not torch.equal(steps[0][0][0], resumed[0][0][0])
         counting = CountingTokenizer(tok)
-        late = loader(cfg, counting, r, dp)
+        late = train_loader(cfg, counting, r, dp)
         late.load_state_dict(sd, stream)  # at step k + m
         late.next_step()
         late.close()  # waits for the prefetch of the step after
@@ -128,7 +113,7 @@ def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(
             assert len(counting.docs) <= bound < (k + m) * per_rank
 
 
-def test_changed_dp_degree_is_refused_with_the_fix(tmp_path, tok, write_shards):
+def test_changed_dp_degree_is_refused_with_the_fix(tmp_path, tok, write_shards, train_loader):
     """A checkpoint of a sharded stream at dp degree 2 cannot resume at dp degree 1 (its
     per-rank positions would repeat or skip data); the error names both ways out."""
     write_shards(tmp_path / "data", 4, 20)
@@ -138,7 +123,7 @@ def test_changed_dp_degree_is_refused_with_the_fix(tmp_path, tok, write_shards):
         model = nn.Linear(4, 2)
         opt = torch.optim.AdamW(model.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        ld = loader(cfg, tok, dp_rank, dp)
+        ld = train_loader(cfg, tok, dp_rank, dp)
         ckpt = Checkpoint(enable=True, interval=1)
         state = TrainState()
         return CheckpointManager(ckpt, tmp_path, model, opt, sched, ld, state, dp_degree=dp)

@@ -12,8 +12,7 @@ import pytest
 import torch
 from conftest import TINY_TRAIN, read_jsonl, run_train
 
-from titanlite.config import DataLoader, Training, resolve_global_batch
-from titanlite.data.loader import build_train_loader
+from titanlite.config import DataLoader, Training
 
 SEQ, G = 16, 8
 STEPS = 16  # past the end of the first epoch without packing (118 training documents)
@@ -25,33 +24,6 @@ def tcfg(data, tmp_path, workers=0, packing=True, **dataloader):
         seq_len=SEQ, global_batch_size=G, packing=packing,
         dataloader=DataLoader(num_workers=workers, **dataloader),
     )  # fmt: skip
-
-
-def loaders(cfg, tok, dp, local_batch_size):
-    cfg.local_batch_size = local_batch_size
-    g, n = resolve_global_batch(cfg, dp)
-    return [
-        build_train_loader(
-            cfg,
-            tok,
-            dp_rank=r,
-            dp_degree=dp,
-            global_batch_size=g,
-            num_microbatches=n,
-            vocab_size=tok.n_words,
-            seed=0,
-        )  # fmt: skip
-        for r in range(dp)
-    ]
-
-
-def global_steps(lds, steps):
-    """The next `steps` global batches of dp ranks `lds`: [(tokens, labels)], rank-major."""
-    out = []
-    for _ in range(steps):
-        parts = [mb for ld in lds for mb in ld.next_step()]
-        out.append((torch.cat([t for t, _ in parts]), torch.cat([lab for _, lab in parts])))
-    return out
 
 
 def close(lds):
@@ -66,52 +38,52 @@ def assert_same(got, ref):
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_workers_make_the_batches_of_the_thread_for_every_split(data, tmp_path, tok, packing):
-    ref_loaders = loaders(tcfg(data, tmp_path, packing=packing), tok, 1, 8)
-    ref = global_steps(ref_loaders, STEPS)
-    close(ref_loaders)
+def test_workers_make_the_batches_of_the_thread_for_every_split(
+    data, tmp_path, tok, packing, global_steps, rank_loaders, next_global_steps
+):
+    ref = global_steps(tcfg(data, tmp_path, packing=packing), tok, 1, 8, STEPS)
     # (dp degree, local batch size, dataloader options): 1 x 8 x 1, 2 x 2 x 2, 4 x 1 x 2
     for dp, lb, options in [(1, 8, {}), (2, 2, {"prefetch_factor": 1}), (4, 1, {})]:
-        lds = loaders(tcfg(data, tmp_path, 2, packing, **options), tok, dp, lb)
-        assert_same(global_steps(lds, STEPS), ref)
+        lds = rank_loaders(tcfg(data, tmp_path, 2, packing, **options), tok, dp, lb)
+        assert_same(next_global_steps(lds, STEPS), ref)
         close(lds)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_resume_with_workers_is_exact(data, tmp_path, tok, persistent):
-    ref_loaders = loaders(tcfg(data, tmp_path), tok, 2, 2)
-    ref = global_steps(ref_loaders, 8)
-    close(ref_loaders)
-    first = loaders(tcfg(data, tmp_path, 2, persistent_workers=persistent), tok, 2, 2)
-    assert_same(global_steps(first, 5), ref[:5])
+def test_resume_with_workers_is_exact(
+    data, tmp_path, tok, persistent, global_steps, rank_loaders, next_global_steps
+):
+    ref = global_steps(tcfg(data, tmp_path), tok, 2, 2, 8)
+    first = rank_loaders(tcfg(data, tmp_path, 2, persistent_workers=persistent), tok, 2, 2)
+    assert_same(next_global_steps(first, 5), ref[:5])
     state = first[0].state_dict()
     assert state["step"] == 5
-    resumed = loaders(tcfg(data, tmp_path, 1, prefetch_factor=3), tok, 1, 4)
+    resumed = rank_loaders(tcfg(data, tmp_path, 1, prefetch_factor=3), tok, 1, 4)
     for ld in resumed:
         ld.load_state_dict(state)
-    assert_same(global_steps(resumed, 3), ref[5:])
+    assert_same(next_global_steps(resumed, 3), ref[5:])
     close(resumed)
     for ld in first:  # the same workers sent back to step 2 (persistent ones are reset)
         ld.load_state_dict({**state, "step": 2})
-    assert_same(global_steps(first, 6), ref[2:])
+    assert_same(next_global_steps(first, 6), ref[2:])
     close(first)
 
 
-def test_workers_outlive_stop_signals_until_closed(data, tmp_path, tok):
+def test_workers_outlive_stop_signals_until_closed(
+    data, tmp_path, tok, global_steps, rank_loaders, next_global_steps
+):
     """A scheduler signals every process of the job: the workers must serve the steps the
     trainer makes before it saves and closes the loader (a dead worker fails the trainer)."""
-    [ref_loader] = loaders(tcfg(data, tmp_path), tok, 1, 8)
-    ref = global_steps([ref_loader], 12)
-    ref_loader.close()
+    ref = global_steps(tcfg(data, tmp_path), tok, 1, 8, 12)
     before = multiprocessing.active_children()
-    [ld] = loaders(tcfg(data, tmp_path, 2), tok, 1, 8)
-    assert_same(global_steps([ld], 2), ref[:2])
+    [ld] = rank_loaders(tcfg(data, tmp_path, 2), tok, 1, 8)
+    assert_same(next_global_steps([ld], 2), ref[:2])
     workers = [p for p in multiprocessing.active_children() if p not in before]
     assert len(workers) == 2
     for w in workers:
         os.kill(w.pid, signal.SIGTERM)
         os.kill(w.pid, signal.SIGUSR1)
-    assert_same(global_steps([ld], 10), ref[2:])  # more steps than the workers had prefetched
+    assert_same(next_global_steps([ld], 10), ref[2:])  # more steps than the workers had prefetched
     assert all(w.is_alive() for w in workers)
     ld.close()
     assert not any(w.is_alive() for w in workers)
@@ -145,9 +117,9 @@ def test_a_run_that_dies_without_closing_the_loader_exits(data, tmp_path):
     assert proc.returncode == 1 and "vocab_size=256" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_the_data_order_pickles_for_spawned_workers(data, tmp_path, tok):
+def test_the_data_order_pickles_for_spawned_workers(data, tmp_path, tok, rank_loaders):
     """Where workers start by spawn (not Linux), the order and collation are pickled to them."""
-    [ld] = loaders(tcfg(data, tmp_path), tok, 1, 8)
+    [ld] = rank_loaders(tcfg(data, tmp_path), tok, 1, 8)
     order, make_batch = pickle.loads(pickle.dumps((ld.order, ld.make_batch)))
     got = make_batch(order.take(40, 48))
     ref = ld.make_batch(ld.order.take(40, 48))
@@ -155,11 +127,11 @@ def test_the_data_order_pickles_for_spawned_workers(data, tmp_path, tok):
     ld.close()
 
 
-def test_a_stream_with_workers_is_refused_with_the_fix(data, tmp_path, tok):
+def test_a_stream_with_workers_is_refused_with_the_fix(data, tmp_path, tok, rank_loaders):
     cfg = tcfg(data, tmp_path, 2)
     cfg.dataset_streaming = True
     with pytest.raises(ValueError, match="needs a token store.*scripts/prepare_data.py"):
-        loaders(cfg, tok, 1, 8)
+        rank_loaders(cfg, tok, 1, 8)
 
 
 @pytest.mark.slow
