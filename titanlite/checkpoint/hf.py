@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from titanlite.checkpoint_stream import single_process_quietly
+from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.hf import (
     from_hf_rope,
     hf_files,
