@@ -3,7 +3,8 @@
 `{dump_folder}/{folder}/step-N/` holds one checkpoint (DCP files, or a Hugging Face folder for a
 last save in HF) and a `COMPLETE` marker. A save writes into `step-N.tmp/`; `publish` writes the
 marker and renames the folder once every rank has finished, so a crash mid-save leaves only a
-`step-N.tmp/` (reported and ignored on load) and never touches an older checkpoint.
+`step-N.tmp/` (reported and ignored on load) and never touches an older checkpoint. Rank 0
+alone touches the folders; `rank()` and `world_size()` also answer without a process group.
 """
 
 import json
@@ -26,6 +27,10 @@ def dist_on() -> bool:
 
 def rank() -> int:
     return dist.get_rank() if dist_on() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist_on() else 1
 
 
 def scan_checkpoints(folder: Path) -> tuple[dict[int, Path], list[Path]]:

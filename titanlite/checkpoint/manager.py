@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint.hf import check_heads, hf_names, load_hf, save_hf
-from titanlite.checkpoint.layout import dist_on, prune, publish, rank
+from titanlite.checkpoint.layout import dist_on, prune, publish, rank, world_size
 from titanlite.checkpoint.plan import (
     CheckpointError,
     LoadPlan,
@@ -239,15 +239,14 @@ class CheckpointManager:
             stream = _stream_state(self.dataloader)
             if stream is not None:
                 state["dataloader_stream"] = {f"dp{stream['dp_rank']}": pickle.dumps(stream)}
-        world = dist.get_world_size() if dist_on() else 1
         meta = {"step": step, "model_only": model_only, "dp_degree": self.dp_degree}
-        state["meta"] = pickle.dumps({**meta, "world_size": world})
+        state["meta"] = pickle.dumps({**meta, "world_size": world_size()})
         return state
 
     def _check_same_on_all_ranks(self, blob: bytes) -> None:
-        if not dist_on() or dist.get_world_size() == 1:
+        if world_size() == 1:
             return
-        blobs = [None] * dist.get_world_size()
+        blobs = [None] * world_size()
         dist.all_gather_object(blobs, blob)
         differ = [r for r, b in enumerate(blobs) if b != blobs[0]]
         if differ:
