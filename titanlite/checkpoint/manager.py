@@ -257,9 +257,7 @@ class CheckpointManager:
 
     def _finalize(self, step: int, info: dict | None = None) -> None:
         """Rank 0 only, in the publisher thread: every rank's data is on disk once DCP's save
-        returned (its final gather ran), so publish the checkpoint, then prune. A complete
-        checkpoint of the same step is moved aside first and deleted only after the new one
-        took its place."""
+        returned (its final gather ran), so publish the checkpoint, then prune."""
         if rank() != 0:
             return
         logger.info("Saved checkpoint %s", publish(self.folder, step, info))
