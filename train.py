@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load, publish
-from titanlite.checkpoint_stream import LazyTensor, save_lazily
+from titanlite.checkpoint.stream import LazyTensor, save_lazily
 from titanlite.config import (
     ConfigError,
     JobConfig,

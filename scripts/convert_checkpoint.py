@@ -32,7 +32,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite import precision
-from titanlite.checkpoint_stream import (
+from titanlite.checkpoint.stream import (
     LazyTensor,
     save_lazily,
     single_process_quietly,

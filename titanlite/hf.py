@@ -5,7 +5,7 @@ titanlite's state-dict keys are Meta's (`layers.N.attention.wq.weight`), HF's ar
 RoPE: titanlite (like Meta) rotates interleaved pairs (2i, 2i+1) of each head; HF's rotate_half
 pairs i with i + head_dim/2. The q/k projection rows are permuted within each head so both give
 the same logits. Used by scripts/convert_checkpoint.py and by the trainer's checkpoints
-(`titanlite.checkpoint_hf`); nothing here knows about ranks.
+(`titanlite.checkpoint.hf`); nothing here knows about ranks.
 """
 
 import json

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titanlite.checkpoint import CheckpointManager, plan_load
-from titanlite.checkpoint_stream import single_process_quietly
+from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import Checkpoint
 from titanlite.hf import LAYER_KEYS, from_hf_lazily, hf_config, to_hf
 from titanlite.models.llama.args import ModelArgs, get_model_args

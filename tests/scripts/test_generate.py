@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO, TINY_TRAIN, torchrun_script
 
 import train
-from titanlite.checkpoint_stream import single_process_quietly
+from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models.llama.args import get_model_args

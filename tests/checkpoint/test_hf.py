@@ -4,8 +4,6 @@ process, and FSDP on 2 processes) trains from its weights, heads split by FSDP s
 save exactly, and bad inputs stop before training with one line."""
 
 import json
-import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,10 @@ from conftest import TINY_TRAIN, read_jsonl, run_train, torchrun_script
 from safetensors.torch import load_file, save_file
 
 import train
-from titanlite.checkpoint import MARKER, CheckpointManager, plan_load
-from titanlite.checkpoint_stream import single_process_quietly
-from titanlite.config import Checkpoint, parse_args
-from titanlite.hf import hf_files, to_hf, write_hf_config
-from titanlite.models.llama.args import ModelArgs
+from titanlite.checkpoint import MARKER
+from titanlite.checkpoint.stream import single_process_quietly
+from titanlite.config import parse_args
+from titanlite.hf import to_hf, write_hf_config
 from titanlite.models.llama.model import Transformer
 
 pytestmark = pytest.mark.slow  # every test here runs train.py or torchrun
@@ -41,13 +38,6 @@ def load_dcp_model(model: Transformer, step_dir: Path) -> Transformer:
         dcp.load({"model": weights}, checkpoint_id=str(step_dir), no_dist=True)
     model.load_state_dict(weights)
     return model
-
-
-def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    weights = {}
-    for f in sorted(set(hf_files(folder).values())):
-        weights.update(load_file(str(f)))
-    return weights
 
 
 def first_loss(dump: Path) -> float:
@@ -78,13 +68,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in ("hf0", "ref", "hf1", "hf2")}
 
 
-def test_last_save_in_hf_is_what_transformers_loads_with_the_runs_logits(runs):
+def test_last_save_in_hf_is_what_transformers_loads_with_the_runs_logits(tiny, runs):
     transformers = pytest.importorskip("transformers")
     ours = load_dcp_model(tiny_model(), runs["ref"] / "checkpoint" / "step-1")
     export = runs["hf1"] / "checkpoint" / "step-1"
     # the same weights as the run that saved them in DCP, in HF's names and row order
     want = to_hf(ours.state_dict(), ours.args, torch.float32)
-    got = hf_weights(export)
+    got = tiny.hf_weights(export)
     assert got.keys() == want.keys()
     for name, w in want.items():
         assert torch.equal(got[name], w), name
@@ -97,15 +87,15 @@ def test_last_save_in_hf_is_what_transformers_loads_with_the_runs_logits(runs):
     assert not (export / "sharded").exists()
 
 
-def test_a_run_started_from_an_hf_folder_trains_from_its_weights(runs):
+def test_a_run_started_from_an_hf_folder_trains_from_its_weights(tiny, runs):
     # hf0 holds the weights a fresh run draws: the first step's loss is the fresh run's.
     ref = first_loss(runs["ref"])
     assert first_loss(runs["hf1"]) == ref
     assert first_loss(runs["hf2"]) == pytest.approx(ref, rel=1e-5)
     # FSDP's export, in bfloat16, is the one-process weights rounded to bfloat16
     one, two = (
-        hf_weights(runs["hf1"] / "checkpoint" / "step-1"),
-        hf_weights(runs["hf2"] / "checkpoint" / "step-1"),
+        tiny.hf_weights(runs["hf1"] / "checkpoint" / "step-1"),
+        tiny.hf_weights(runs["hf2"] / "checkpoint" / "step-1"),
     )
     assert one.keys() == two.keys()
     for name, w in one.items():
@@ -144,62 +134,5 @@ def test_bad_inputs_stop_before_training_with_one_line(runs, tmp_path, capsys):
         assert "training from step" not in out, args
 
 
-# Heads split between FSDP shards: wk has one 32-row head, each of 2 ranks holds 16 of its rows.
-SPLIT_HEADS = ModelArgs(
-    dim=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=256, multiple_of=32, max_seq_len=32
-)
-
-
-def worker(root: str) -> None:
-    """On 2 gloo ranks: load an HF folder into an FSDP model whose shards split a head, check
-    it holds the weights exactly, save it back in HF format, check the files equal the source."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from titanlite.distributed import destroy
-
-    root = Path(root)
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    ref = Transformer(SPLIT_HEADS)
-    ref.init_weights()
-    src = root / "src"
-    if dist.get_rank() == 0:
-        src.mkdir()
-        save_file(
-            to_hf(ref.state_dict(), SPLIT_HEADS, torch.float32), str(src / "model.safetensors")
-        )
-        write_hf_config(src, SPLIT_HEADS, "float32")
-    dist.barrier()
-    with torch.device("meta"):
-        model = Transformer(SPLIT_HEADS)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu").init_buffers("cpu")
-    cfg = replace(Checkpoint(), enable=True, initial_load_path=str(src), initial_load_in_hf=True,
-                  last_save_model_only=True, last_save_in_hf=True)  # fmt: skip
-    mgr = CheckpointManager(cfg, root / "run", model, None, None, None, None, last_step=1)
-    assert mgr.load(plan_load(cfg, root / "run")) == 0
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    mgr.save(1)
-    mgr.close()
-    if dist.get_rank() == 0:
-        for name, w in ref.state_dict().items():
-            assert torch.equal(full[name], w), name
-        saved, source = hf_weights(root / "run" / "checkpoint" / "step-1"), hf_weights(src)
-        assert saved.keys() == source.keys()
-        for name, w in source.items():
-            assert torch.equal(saved[name], w), name
-    destroy()
-
-
 def test_fsdp_shards_that_split_a_head_load_and_save_exactly(tmp_path):
-    torchrun_script(__file__, tmp_path, nproc=2)
-
-
-if __name__ == "__main__":
-    worker(sys.argv[1])
+    torchrun_script(Path(__file__).with_name("workers.py"), "split_heads", tmp_path, nproc=2)

@@ -1,5 +1,5 @@
 """Checkpoint resume through train.py, end to end: bitwise under FSDP x TP, resharding across
-layouts and dp degrees, async vs sync, excluded parts, preemption signals, corrupt metadata.
+layouts and dp degrees, async vs sync, excluded parts, preemption signals.
 
 Every run uses the debug model at toy sizes (seq 32, global batch 8, fp32) and trains 12 steps
 with a checkpoint at 6. "Resume from step 6" means copying a reference run's step-6 folder into a
@@ -20,11 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TINY_TRAIN, assert_nested_equal, read_jsonl, run_train, train_many
-from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load, scan_checkpoints
-from titanlite.config import Checkpoint
+from titanlite.checkpoint import scan_checkpoints
 
 TINY = [
     *TINY_TRAIN,
@@ -256,53 +254,3 @@ def test_sigterm_saves_and_the_rerun_continues(tmp_path):
     steps = [r["step"] for r in read_jsonl(jsonl)]
     assert steps[stopped] == stopped + 1  # the rerun continued after the saved step
     assert max(scan_checkpoints(tmp_path / "checkpoint")[0]) > stopped
-
-
-class _Box:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-    def state_dict(self):
-        return dict(self.__dict__)
-
-    def load_state_dict(self, sd):
-        self.__dict__.update(sd)
-
-
-def _tiny_manager(folder: Path, **cfg) -> CheckpointManager:
-    model = nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    cfg = Checkpoint(enable=True, **{"interval": 1, **cfg})
-    return CheckpointManager(cfg, folder, model, opt, sched, _Box(step=0), _Box(step=0))
-
-
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_corrupt_metadata_names_the_path(tmp_path, damage):
-    mgr = _tiny_manager(tmp_path)
-    mgr.model(torch.ones(1, 4)).sum().backward()
-    mgr.optimizer.step()
-    mgr.save(1)
-    mgr.wait()
-    meta = tmp_path / "checkpoint" / "step-1" / ".metadata"
-    data = meta.read_bytes()
-    meta.write_bytes(
-        {"truncate": data[: len(data) // 2], "garbage": b"\x00junk" * 50, "empty": b""}[damage]
-    )
-    with pytest.raises(CheckpointError) as err:
-        plan_load(Checkpoint(enable=True), tmp_path)
-    assert str(meta) in str(err.value) and "damaged" in str(err.value), err.value
-
-
-def test_finished_async_save_is_published_without_the_loop(tmp_path):
-    """A completed async write becomes a complete checkpoint as soon as its data is on disk, not
-    at the next save or exit: a crash in between must not lose it as a `.tmp` folder."""
-    mgr = _tiny_manager(tmp_path, async_mode="async", interval=100)
-    mgr.model(torch.ones(1, 4)).sum().backward()
-    mgr.optimizer.step()
-    mgr.save(1)
-    deadline = time.monotonic() + 120
-    while not scan_checkpoints(tmp_path / "checkpoint")[0] and time.monotonic() < deadline:
-        time.sleep(0.01)  # nothing is called on the manager meanwhile
-    assert list(scan_checkpoints(tmp_path / "checkpoint")[0]) == [1]
-    mgr.close()

@@ -1,4 +1,4 @@
-"""titanlite.checkpoint_stream: lazily written checkpoints load like eagerly saved ones, and at
+"""titanlite.checkpoint.stream: lazily written checkpoints load like eagerly saved ones, and at
 most two made tensors are alive at any time, however many the state holds."""
 
 import weakref
@@ -6,9 +6,10 @@ import weakref
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import assert_nested_equal
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titanlite.checkpoint_stream import (
+from titanlite.checkpoint.stream import (
     LazyTensor,
     save_lazily,
     single_process_quietly,
@@ -73,21 +74,6 @@ def zeros_like_state(state):
     return b"" if isinstance(state, bytes) else 0.0
 
 
-def assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}.{i}")
-    else:
-        assert a == b, path
-
-
 def test_save_lazily_loads_like_dcp_save(tmp_path):
     tracker = LiveStorages()
     state = nested_state(tracker)
@@ -104,7 +90,7 @@ def test_save_lazily_loads_like_dcp_save(tmp_path):
     loaded = zeros_like_state(expected)
     with single_process_quietly():
         dcp.load(loaded, checkpoint_id=str(tmp_path / "lazy"), no_dist=True)
-    assert_same(loaded, expected)
+    assert_nested_equal(loaded, expected)
 
 
 @pytest.mark.parametrize("save", [save_lazily, torch_save_lazily])
@@ -121,9 +107,9 @@ def test_torch_save_lazily_loads_like_torch_save(tmp_path):
     state["empty"] = LazyTensor((0, 4), torch.float16, lambda: torch.empty(0, 4).half())
     torch_save_lazily(state, tmp_path / "lazy.pt")
     expected = materialized(state)
-    assert_same(torch.load(tmp_path / "lazy.pt", weights_only=True), expected)
+    assert_nested_equal(torch.load(tmp_path / "lazy.pt", weights_only=True), expected)
     mapped = torch.load(tmp_path / "lazy.pt", weights_only=True, mmap=True)
-    assert_same(mapped, expected)
+    assert_nested_equal(mapped, expected)
 
 
 @pytest.mark.parametrize("save", [save_lazily, torch_save_lazily])

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from titanlite.checkpoint_stream import single_process_quietly
+from titanlite.checkpoint.layout import rank, world_size
+from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.hf import (
     from_hf_rope,
     hf_files,
@@ -121,11 +122,6 @@ def load_hf(model, path: Path) -> None:
     set_model_state_dict(model, {ours: state[names[ours][0]] for ours in msd})
 
 
-def _rank_world() -> tuple[int, int]:
-    on = dist.is_available() and dist.is_initialized()
-    return (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
-
-
 def save_hf(model, out: Path, dtype: str) -> None:
     """Write `model` (any layout) as a HF Llama folder `out` in `dtype`; called on every rank."""
     args = model.args
@@ -141,13 +137,13 @@ def save_hf(model, out: Path, dtype: str) -> None:
     consolidate_safetensors_files_on_every_rank(str(sharded), str(out), file_of)
     # Every rank sees the index rank 0 wrote (the consolidation ends with a barrier).
     files = hf_files(out)
-    rank, world = _rank_world()
-    mine = sorted(set(files.values()))[rank::world]
+    me, world = rank(), world_size()
+    mine = sorted(set(files.values()))[me::world]
     for hf, heads in names.values():
         if heads is not None and files[hf] in mine:
             to_hf_rope_in_file(files[hf], hf, heads)
     if world > 1:
         dist.barrier()
-    if rank == 0:
+    if me == 0:
         write_hf_config(out, args, dtype)
         shutil.rmtree(sharded)

@@ -1,0 +1,22 @@
+"""Checkpoints: layout.py (step folders, markers, publish, prune), plan.py (what a run loads),
+manager.py (CheckpointManager: save, async save, load), hf.py (Hugging Face folders in and out of
+a sharded model), stream.py (writing one tensor at a time)."""
+
+from titanlite.checkpoint.layout import MARKER, publish, scan_checkpoints
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.checkpoint.plan import CheckpointError, LoadPlan, check_checkpoint_dir, plan_load
+from titanlite.checkpoint.stream import LazyTensor, save_lazily, single_process_quietly
+
+__all__ = [
+    "MARKER",
+    "CheckpointError",
+    "CheckpointManager",
+    "LazyTensor",
+    "LoadPlan",
+    "check_checkpoint_dir",
+    "plan_load",
+    "publish",
+    "save_lazily",
+    "scan_checkpoints",
+    "single_process_quietly",
+]
