@@ -42,7 +42,7 @@ from titanlite.checkpoint.plan import (
 )
 from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import EXCLUDABLE
-from titanlite.data.loader import dp_degree_changed
+from titanlite.data.stream import dp_degree_changed
 from titanlite.hf import read_hf_config
 from titanlite.precision import DTYPES
 
