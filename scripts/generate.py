@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titanlite.build import model_args_for  # noqa: E402
 from titanlite.checkpoint import (  # noqa: E402
     CheckpointError,
     CheckpointManager,
@@ -53,7 +54,6 @@ from titanlite.models.llama.args import ModelArgs  # noqa: E402
 from titanlite.models.llama.model import Transformer  # noqa: E402
 from titanlite.models.llama.parallelize import apply_tp  # noqa: E402
 from titanlite.parallel_dims import ParallelDims  # noqa: E402
-from train import model_args_for  # noqa: E402
 
 logger = logging.getLogger("titanlite.generate")
 

@@ -15,9 +15,11 @@ from conftest import TINY_TRAIN, read_jsonl, run_train, torchrun_script
 from safetensors.torch import load_file, save_file
 
 import train
+from titanlite.build import model_args_for
 from titanlite.checkpoint import MARKER, CheckpointManager, plan_load
 from titanlite.checkpoint_stream import single_process_quietly
 from titanlite.config import Checkpoint, parse_args
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.hf import hf_files, to_hf, write_hf_config
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.model import Transformer
@@ -32,7 +34,7 @@ LAST_IN_HF = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf
 def tiny_model() -> Transformer:
     """The plain one-process model of the tiny runs' config."""
     cfg = parse_args(TINY_TRAIN)
-    return Transformer(train.model_args_for(cfg, train.build_tokenizer(cfg.model))).eval()
+    return Transformer(model_args_for(cfg, build_tokenizer(cfg.model))).eval()
 
 
 def load_dcp_model(model: Transformer, step_dir: Path) -> Transformer:
