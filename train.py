@@ -22,7 +22,12 @@ import torch
 
 from titanlite.build import build_model, count_params, init_model
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
-from titanlite.checks import check_attention_device, check_job, check_single_process
+from titanlite.checks import (
+    check_attention_device,
+    check_float8_device,
+    check_job,
+    check_single_process,
+)
 from titanlite.config import ConfigError, JobConfig, dump_toml, parse_args
 from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.distributed import (
@@ -35,7 +40,7 @@ from titanlite.distributed import (
     world_sum,
 )
 from titanlite.dry_run import dry_run, write_seed_checkpoint
-from titanlite.float8 import check_float8_device, float8_after_optimizer_step
+from titanlite.float8 import float8_after_optimizer_step
 from titanlite.loss import IGNORE_INDEX
 from titanlite.metrics import (
     DeviceMemoryMonitor,
@@ -348,7 +353,7 @@ def main(argv=None) -> int:
         job = dry_run if cfg.comm.mode == "fake_backend" else write_seed_checkpoint
         try:
             return job(cfg)
-        except (ConfigError, ValueError, FileNotFoundError) as e:
+        except ConfigError as e:
             print(f"titanlite: error: {e}", file=sys.stderr)
             return 2
     dist_env = init_distributed(cpu_backend=cfg.training.enable_cpu_offload)
@@ -360,7 +365,7 @@ def main(argv=None) -> int:
         torch.use_deterministic_algorithms(True)
     try:
         trainer = Trainer(cfg, dist_env)
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ConfigError, CheckpointError) as e:
         # User mistakes (config, data, checkpoint), found before any step: one line, no
         # traceback wall. Every rank fails the same way, so one of them says it.
         if rank == 0:

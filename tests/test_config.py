@@ -235,50 +235,6 @@ def test_list_items_are_checked_against_the_choices(tmp_path):
     assert parse_args(["--checkpoint.exclude_from_loading", "dataloader"]).checkpoint
 
 
-@pytest.mark.parametrize(
-    "argv, expected",
-    [
-        (["--checkpoint.load_step", "3"], "needs --checkpoint.enable"),
-        (["--lr_scheduler.decay_ratio", "1.5"], "decay_ratio must be in [0, 1], or -1"),
-        (["--optimizer.name", "SGD"], "AdamW"),
-        (
-            ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-             "--checkpoint.initial_load_path", "x"],
-            "cannot be combined",
-        ),
-        (
-            ["--activation_checkpoint.mode", "selective",
-             "--activation_checkpoint.selective_ac_option", "0"],
-            "'op' or a positive integer",
-        ),
-        (["--training.dataset_streaming"], "set training.dataset_path"),
-        (
-            ["--training.dataset_streaming", "--training.dataset_path", "x.jsonl",
-             "--validation.enable"],
-            "needs validation.dataset_path",
-        ),
-    ],
-)  # fmt: skip
-def test_options_that_contradict_each_other(argv, expected):
-    assert expected in error(argv)
-
-
-@pytest.mark.parametrize(
-    "local, global_, dp, expected",
-    [(4, -1, 2, (8, 1)), (2, 16, 2, (16, 4)), (8, 8, 1, (8, 1))],
-)
-def test_global_batch_resolves_to_whole_microbatches(local, global_, dp, expected):
-    training = config.Training(local_batch_size=local, global_batch_size=global_)
-    assert config.resolve_global_batch(training, dp) == expected
-
-
-@pytest.mark.parametrize("global_", [6, 0, -2])
-def test_global_batch_that_does_not_split_names_the_fix(global_):
-    training = config.Training(local_batch_size=2, global_batch_size=global_)
-    with pytest.raises(ConfigError, match=r"local_batch_size \(2\) x data-parallel degree \(2\)"):
-        config.resolve_global_batch(training, 2)
-
-
 def test_nested_table_training_dataloader(tmp_path):
     """torchtitan's [training.dataloader]: a table in a section, in TOML (either spelling), on
     the command line and through config.toml."""

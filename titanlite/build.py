@@ -14,15 +14,22 @@ from titanlite.precision import DTYPES
 
 
 def model_args_for(cfg, tokenizer) -> ModelArgs:
-    """The flavor's args for this run: the tokenizer's (padded) vocab, the run's sequence length,
-    and the attention backend resolved for this machine."""
+    """The flavor's args for this run and its tokenizer (the vocab padded to shard evenly)."""
+    return model_args_for_vocab(
+        cfg, pad_vocab(tokenizer.n_words), tokenizer.bos_id, tokenizer.eos_id
+    )
+
+
+def model_args_for_vocab(cfg, vocab_size: int, bos_id: int = -1, eos_id: int = -1) -> ModelArgs:
+    """The flavor's args with the run's vocab and sequence length, and the attention backend
+    resolved for this machine (the estimator, which may have no tokenizer, starts here)."""
     args = get_model_args(
         cfg.model.flavor,
-        vocab_size=pad_vocab(tokenizer.n_words),
+        vocab_size=vocab_size,
         max_seq_len=cfg.training.seq_len,
         use_scaled_rope=cfg.model.use_scaled_rope,
-        bos_id=tokenizer.bos_id,
-        eos_id=tokenizer.eos_id,
+        bos_id=bos_id,
+        eos_id=eos_id,
         document_masking=cfg.model.document_masking,
     )
     backend = cfg.model.attention_backend

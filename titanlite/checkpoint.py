@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlite.checkpoint_hf import check_heads, hf_names, load_hf, save_hf
 from titanlite.checkpoint_stream import single_process_quietly
-from titanlite.config import EXCLUDABLE
+from titanlite.config import EXCLUDABLE, ConfigError
 from titanlite.data.loader import dp_degree_changed
 from titanlite.hf import read_hf_config
 from titanlite.precision import DTYPES
@@ -115,10 +115,10 @@ def _marker(path: Path) -> dict:
 def _check_complete(path: Path, what: str) -> None:
     """A path explicitly asked for exists and, if it is a step folder, its save finished."""
     if not path.exists():
-        raise ValueError(f"{what}: {path} does not exist")
+        raise ConfigError(f"{what}: {path} does not exist")
     step_dir = _STEP_DIR.match(path.name)
     if step_dir and (step_dir.group(2) or not (path / MARKER).is_file()):
-        raise ValueError(
+        raise ConfigError(
             f"{what}: {path} is a partial checkpoint (its save did not finish: no {MARKER} "
             "marker); pick a complete step folder"
         )
@@ -134,7 +134,7 @@ def _check_dcp_dir(path: Path, what: str) -> None:
     if (path / ".metadata").is_file():
         return
     if _is_hf(path):
-        raise ValueError(
+        raise ConfigError(
             f"{what}: {path} is a Hugging Face checkpoint; convert it first with "
             f"`python scripts/convert_checkpoint.py hf-to-dcp {path} OUT_DIR` and load OUT_DIR"
         )
@@ -142,7 +142,7 @@ def _check_dcp_dir(path: Path, what: str) -> None:
     hint = (
         f" (it holds step folders; pick one, e.g. {path / f'step-{max(steps)}'})" if steps else ""
     )
-    raise ValueError(f"{what}: {path} is not a DCP checkpoint: no .metadata file{hint}")
+    raise ConfigError(f"{what}: {path} is not a DCP checkpoint: no .metadata file{hint}")
 
 
 def _read_metadata(path: Path) -> dict:
@@ -161,14 +161,14 @@ def _check_hf_dir(path: Path, what: str) -> None:
     """Fail early, with the fix, when a path asked for is not a loadable Hugging Face folder."""
     _check_complete(path, what)
     if (path / ".metadata").is_file():
-        raise ValueError(
+        raise ConfigError(
             f"{what}: {path} is a DCP checkpoint, not a Hugging Face folder: drop "
             "--checkpoint.initial_load_in_hf"
         )
     try:
         read_hf_config(path)
     except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def _read_hf_metadata(path: Path) -> dict:
@@ -235,7 +235,7 @@ def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
         complete = _resume_points(complete, ckpt_cfg.load_step)
         step = ckpt_cfg.load_step
         if step >= 0 and step not in complete:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.load_step={step}: no complete checkpoint {folder}/step-{step}; "
                 f"complete steps there: {sorted(complete)}"
             )
@@ -245,7 +245,7 @@ def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
         path, hf = Path(ckpt_cfg.initial_load_path), ckpt_cfg.initial_load_in_hf
         what = "checkpoint.initial_load_path"
         if not hf and path.is_dir() and _is_hf(path):
-            raise ValueError(
+            raise ConfigError(
                 f"{what}: {path} is a Hugging Face folder: add --checkpoint.initial_load_in_hf"
             )
         (_check_hf_dir if hf else _check_dcp_dir)(path, what)
@@ -261,7 +261,7 @@ def _resume_points(complete: dict[int, Path], load_step: int) -> dict[int, Path]
         hf = " --checkpoint.initial_load_in_hf" if _marker(path).get("format") == "hf" else ""
         fix = f"start a run from it with --checkpoint.initial_load_path {path}{hf}"
         if step == load_step:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.load_step={step}: {path} holds only the model weights (a last "
                 f"save with checkpoint.last_save_model_only), nothing to resume; {fix}"
             )
@@ -598,7 +598,7 @@ class CheckpointManager:
         if mine is None:
             return None
         if meta["dp_degree"] != self.dp_degree:
-            raise ValueError(dp_degree_changed(meta["dp_degree"], self.dp_degree))
+            raise ConfigError(dp_degree_changed(meta["dp_degree"], self.dp_degree))
         key = f"dp{mine['dp_rank']}"
         # Absent: saved by a map-style run, whose global state the loader rejects with the fix.
         return key if f"dataloader_stream.{key}" in saved else None
@@ -625,7 +625,7 @@ class CheckpointManager:
                 problems.append(f"{name}: saved {tuple(md.size)}, model {tuple(t.shape)}")
         if problems:
             more = f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {path} does not match the model (wrong flavor?): "
                 f"{'; '.join(problems[:8])}{more}"
             )

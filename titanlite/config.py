@@ -23,8 +23,10 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_DIR / "train_configs"
 
 
-class ConfigError(Exception):
-    """A mistake in a config file or on the command line; the message says what and the fix."""
+class ConfigError(ValueError):
+    """A mistake in the job the user asked for (config file, command line, or the data, weights
+    and folders they name); the message says what and the fix. train.py reports it in one line
+    with exit code 2; any other exception is a bug and keeps its traceback."""
 
 
 DTYPE_CHOICES = ("float32", "bfloat16")
@@ -559,139 +561,10 @@ def parse_args(argv: list[str]) -> JobConfig:
         overrides["job.config_file"] = str(path)
     for name, value in overrides.items():
         _set(cfg, name, value)
-    _check_combinations(cfg)
+    from titanlite.checks import check_options  # checks builds on this module
+
+    check_options(cfg)
     return cfg
-
-
-def _check_combinations(cfg: JobConfig) -> None:
-    """Checks that involve more than one option (single options are checked as they are read)."""
-    ckpt, ac = cfg.checkpoint, cfg.activation_checkpoint
-    if ckpt.load_step >= 0 and not ckpt.enable:
-        raise ConfigError(
-            f"--checkpoint.load_step {ckpt.load_step} needs --checkpoint.enable (resuming reads "
-            "the run's own checkpoint folder)"
-        )
-    _check_hf_options(ckpt)
-    if ckpt.create_seed_checkpoint and (ckpt.initial_load_path or ckpt.load_step >= 0):
-        raise ConfigError(
-            "--checkpoint.create_seed_checkpoint writes fresh weights; it cannot be combined with "
-            "checkpoint.initial_load_path or checkpoint.load_step"
-        )
-    comm = cfg.comm
-    if comm.mode == "fake_backend" and not comm.fake_rank < comm.fake_world_size:
-        raise ConfigError(
-            f"--comm.mode fake_backend plays rank comm.fake_rank ({comm.fake_rank}) of "
-            f"comm.fake_world_size ({comm.fake_world_size}) ranks: set --comm.fake_world_size N "
-            "(the job's GPU count) and a rank below it"
-        )
-    if comm.mode == "default" and (comm.fake_world_size or comm.fake_rank):
-        raise ConfigError(
-            "comm.fake_world_size / comm.fake_rank only apply to a dry run: add "
-            "--comm.mode fake_backend"
-        )
-    ratio = cfg.lr_scheduler.decay_ratio
-    if ratio != -1 and not 0 <= ratio <= 1:
-        raise ConfigError(
-            f"lr_scheduler.decay_ratio must be in [0, 1], or -1 for all steps after warmup; "
-            f"got {ratio}"
-        )
-    t, val = cfg.training, cfg.validation
-    streams_local = t.dataset_streaming and t.dataset in ("python_stdlib", "local")
-    if streams_local and not t.dataset_path:
-        raise ConfigError(
-            "--training.dataset_streaming streams local files: set training.dataset_path (hub "
-            "datasets are always streamed; python_stdlib is tokenized into the cache)"
-        )
-    if streams_local and val.enable and not val.dataset_path:
-        raise ConfigError(
-            "validation of a streamed training.dataset_path needs validation.dataset_path: a "
-            "stream has no end to hold out from"
-        )
-    dl = t.dataloader
-    if dl.num_workers == 0 and (dl.persistent_workers or dl.prefetch_factor):
-        raise ConfigError(  # torch's DataLoader refuses them too without workers
-            "training.dataloader.persistent_workers and prefetch_factor apply to worker "
-            "processes: set --training.dataloader.num_workers N (N > 0) or leave them unset"
-        )
-    option = ac.selective_ac_option
-    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
-        raise ConfigError(
-            "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
-            f"(checkpoint every Nth block), got {option!r}"
-        )
-    _check_early_step(cfg.optimizer, t)
-
-
-def _check_early_step(optimizer: Optimizer, t: Training) -> None:
-    """A parameter stepped in backward is stepped before the other gradients exist: nothing
-    that needs the whole step's gradients can come first (accumulation: check_early_step_batch)."""
-    if not optimizer.early_step_in_backward:
-        return
-    if t.max_norm > 0:
-        raise ConfigError(
-            "--optimizer.early_step_in_backward steps each parameter before the other gradients "
-            "exist, so the global norm that clipping needs is not known yet: set "
-            "--training.max_norm 0"
-        )
-    if t.on_nonfinite == "skip":
-        raise ConfigError(
-            "--optimizer.early_step_in_backward has stepped every parameter by the time a "
-            "non-finite gradient norm is known, so the step cannot be skipped: use "
-            "--training.on_nonfinite stop"
-        )
-
-
-def _check_hf_options(ckpt: Checkpoint) -> None:
-    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
-        raise ConfigError(
-            "--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path (the folder "
-            "with config.json and *.safetensors)"
-        )
-    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
-        raise ConfigError(
-            "a Hugging Face folder holds only model weights: --checkpoint.initial_load_in_hf "
-            "needs checkpoint.initial_load_model_only = true"
-        )
-    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
-        raise ConfigError(
-            "--checkpoint.last_save_in_hf writes only the model weights (the HF format has no "
-            "optimizer or data state): add --checkpoint.last_save_model_only"
-        )
-    if ckpt.last_save_model_only and not ckpt.enable:
-        raise ConfigError(
-            "--checkpoint.last_save_model_only shapes the last checkpoint: add --checkpoint.enable"
-        )
-
-
-def resolve_global_batch(training: Training, dp_degree: int) -> tuple[int, int]:
-    """(global batch size, microbatches per rank) for this data-parallel degree.
-
-    global_batch_size -1 means one microbatch of local_batch_size rows on every dp rank; any other
-    value must split evenly into local_batch_size-row microbatches on every dp rank.
-    """
-    lb = training.local_batch_size
-    per_step = lb * dp_degree  # rows one microbatch on every dp rank covers
-    g = per_step if training.global_batch_size == -1 else training.global_batch_size
-    if g <= 0 or g % per_step:
-        nearest = max(1, round(g / per_step)) * per_step
-        raise ConfigError(
-            f"training.global_batch_size ({g}) must be a positive multiple of "
-            f"training.local_batch_size ({lb}) x data-parallel degree ({dp_degree}) = {per_step}; "
-            f"e.g. {nearest}, or -1 for {per_step}"
-        )
-    return g, g // per_step
-
-
-def check_early_step_batch(optimizer: Optimizer, training: Training, dp_degree: int) -> None:
-    """optimizer.early_step_in_backward steps in every backward: a step must be one microbatch."""
-    g, num_microbatches = resolve_global_batch(training, dp_degree)
-    if optimizer.early_step_in_backward and num_microbatches > 1:
-        raise ConfigError(
-            "--optimizer.early_step_in_backward steps in every backward, but a step here is "
-            f"{num_microbatches} microbatches per rank (gradient accumulation): set "
-            f"--training.local_batch_size {g // dp_degree} (global batch {g} / data-parallel "
-            f"degree {dp_degree}) for one"
-        )
 
 
 def format_help() -> str:

@@ -74,7 +74,7 @@ def dry_run(cfg: JobConfig) -> int:
     t2 = time.perf_counter()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
     # On CUDA, the target; for this rank's pipeline stages under PP.
-    setup = setup_from_config(cfg, world, job.model_args.vocab_size, device="cuda", rank=rank)
+    setup = setup_from_config(cfg, world, job.model_args, device="cuda", rank=rank)
     report = {
         "world_size": world,
         "rank": rank,

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from titanlite.config import ConfigError
 from titanlite.models.llama import model as llama_model
 from titanlite.models.llama.args import ModelArgs
 
@@ -149,10 +150,10 @@ def read_hf_config(hf_dir: Path) -> dict:
     """config.json of a HF Llama folder that titanlite can load (ValueError otherwise)."""
     cfg_file = hf_dir / CONFIG
     if not cfg_file.is_file() or not any(hf_dir.glob("*.safetensors")):
-        raise ValueError(f"{hf_dir} needs config.json and *.safetensors (a HF Llama checkpoint)")
+        raise ConfigError(f"{hf_dir} needs config.json and *.safetensors (a HF Llama checkpoint)")
     cfg = json.loads(cfg_file.read_text())
     if cfg.get("tie_word_embeddings"):
-        raise ValueError(
+        raise ConfigError(
             f"{hf_dir}: tied embeddings are not supported (titanlite's output is untied)"
         )
     return cfg
@@ -169,7 +170,7 @@ def hf_files(hf_dir: Path) -> dict[str, Path]:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in files:
-                    raise ValueError(f"{hf_dir}: {name} is in both {files[name].name} and "
+                    raise ConfigError(f"{hf_dir}: {name} is in both {files[name].name} and "
                                      f"{f.name} (and there is no index to choose)")  # fmt: skip
                 files[name] = f
     return files

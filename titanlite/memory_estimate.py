@@ -316,25 +316,18 @@ def estimate_stages(s: MemorySetup) -> list[MemoryEstimate]:
     return [estimate(replace(s, pp_rank=r)) for r in range(s.pp)]
 
 
-def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda", rank: int = 0):
-    """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`), for the
-    pipeline rank of global `rank` (pipeline stages are the mesh's outermost dim)."""
-    from titanlite.models.llama.args import get_model_args
+def setup_from_config(
+    cfg, world_size: int, model_args: ModelArgs, device: str = "cuda", rank: int = 0
+) -> MemorySetup:
+    """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`) and the run's
+    model args (titanlite.build makes them, as for training), for the pipeline rank of global
+    `rank` (pipeline stages are the mesh's outermost dim)."""
     from titanlite.parallel_dims import ParallelDims
 
-    p = cfg.parallelism
-    pd = ParallelDims(
-        p.data_parallel_replicate_degree,
-        p.data_parallel_shard_degree,
-        p.tensor_parallel_degree,
-        world_size,
-        cp=p.context_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-    )
-    t = cfg.training
-    args = get_model_args(cfg.model.flavor, vocab_size, t.seq_len, cfg.model.use_scaled_rope)
+    p, t = cfg.parallelism, cfg.training
+    pd = ParallelDims.from_config(p, world_size)
     return MemorySetup(
-        model_args=args,
+        model_args=model_args,
         local_batch_size=t.local_batch_size,
         seq_len=t.seq_len,
         dp_replicate=pd.dp_replicate,

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from titanlite.config import Training, resolve_global_batch
+from titanlite.checks import resolve_global_batch
+from titanlite.config import Training
 from titanlite.data.cache import cache_dir, cache_root, prepare_token_cache
 from titanlite.data.loader import build_train_loader
 from titanlite.data.sources import TextSource, build_source

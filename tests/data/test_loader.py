@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config import Training, Validation, resolve_global_batch
+from titanlite.checks import resolve_global_batch
+from titanlite.config import Training, Validation
 from titanlite.data import sources
 from titanlite.data.cache import prepare_token_cache
 from titanlite.data.loader import (

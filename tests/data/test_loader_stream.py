@@ -14,7 +14,8 @@ from conftest import TINY_TRAIN, assert_nested_equal, read_jsonl, run_train
 from torch import nn
 
 from titanlite.checkpoint import CheckpointManager, plan_load
-from titanlite.config import Checkpoint, Training, resolve_global_batch
+from titanlite.checks import resolve_global_batch
+from titanlite.config import Checkpoint, Training
 from titanlite.data.loader import _STREAM_DOCS_PER_CALL, build_train_loader
 from titanlite.train_state import TrainState
 

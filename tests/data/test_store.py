@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config import Training, resolve_global_batch
+from titanlite.checks import resolve_global_batch
+from titanlite.config import Training
 from titanlite.data import sources
 from titanlite.data.loader import _cached_samples, build_train_loader
 from titanlite.data.sources import build_source

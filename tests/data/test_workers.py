@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import TINY_TRAIN, read_jsonl, run_train
 
-from titanlite.config import DataLoader, Training, resolve_global_batch
+from titanlite.checks import resolve_global_batch
+from titanlite.config import DataLoader, Training
 from titanlite.data.loader import build_train_loader
 
 SEQ, G = 16, 8

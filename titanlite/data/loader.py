@@ -35,7 +35,7 @@ from itertools import count, islice
 import numpy as np
 import torch
 
-from titanlite.config import DataLoader, Training, Validation
+from titanlite.config import ConfigError, DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import encode_documents, prepare_token_cache
 from titanlite.data.sources import TextSource, build_source, local_source
@@ -85,7 +85,7 @@ def _check_ids(tokens: np.ndarray, labels: np.ndarray, vocab_size: int) -> None:
     bad_labels = (labels >= vocab_size) | ((labels < 0) & (labels != IGNORE_INDEX))
     if bad_tokens.any() or bad_labels.any():
         values = np.unique(np.concatenate([tokens[bad_tokens], labels[bad_labels]]))
-        raise ValueError(
+        raise ConfigError(
             f"token ids {values[:8].tolist()} are outside the model's vocabulary "
             f"[0, vocab_size={vocab_size}) (labels may also be {IGNORE_INDEX}); the tokenizer's "
             "vocabulary is likely larger than the model's vocab_size"
@@ -174,7 +174,7 @@ class _ShardStream:
                         yield sample
                 self._chunk_state, self._used = next_chunk, 0
             if from_start and made == 0:
-                raise ValueError(
+                raise ConfigError(
                     "this data-parallel rank's share of the data stream produced no samples; "
                     "use more documents (or files) than data-parallel ranks"
                 )
@@ -291,7 +291,7 @@ class TrainLoader:
             if sd.get(k) != mine[k]
         ]
         if bad:
-            raise ValueError(
+            raise ConfigError(
                 "cannot resume the data loader: the data order would differ ("
                 + "; ".join(bad)
                 + "). Use the same training config and data, or restart the data from its first "
@@ -306,14 +306,14 @@ class TrainLoader:
 
     def _seek(self, stream: dict | None) -> None:
         if stream is None:
-            raise ValueError(
+            raise ConfigError(
                 "cannot resume the data stream: the checkpoint holds no stream position for dp "
                 f"rank {self.dp_rank}. Restart the data from its first batch with "
                 "--checkpoint.exclude_from_loading dataloader."
             )
         saved = (stream["dp_rank"], stream["dp_degree"])
         if saved != (self.dp_rank, self.dp_degree):
-            raise ValueError(dp_degree_changed(stream["dp_degree"], self.dp_degree))
+            raise ConfigError(dp_degree_changed(stream["dp_degree"], self.dp_degree))
         if self._pending is not None and not self._pending[1].cancel():
             wait([self._pending[1]])  # it is reading on from the old position: let it finish
         self._pending = None
@@ -445,7 +445,7 @@ def build_train_loader(
     validation: Validation | None = None,
 ) -> TrainLoader:
     """The training loader of one dp rank. `global_batch_size` and `num_microbatches` are
-    `titanlite.config.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's;
+    `titanlite.checks.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's;
     `seed` orders the samples.
     `validation` decides what is held out (None: its defaults, the same holdout as a run with
     validation on, so switching validation on does not change the training data)."""
@@ -455,7 +455,7 @@ def build_train_loader(
     assert global_batch_size == per_rank * dp_degree, (global_batch_size, per_rank, dp_degree)
     source = _source(t, val, "train")
     if source.streaming and t.dataloader.num_workers > 0:
-        raise ValueError(
+        raise ConfigError(
             "training.dataloader.num_workers > 0 needs a token store: a streamed source is "
             "tokenized in order by one reader whose exact position each checkpoint saves, which "
             "worker processes cannot share; prepare the data with scripts/prepare_data.py and "
@@ -467,7 +467,7 @@ def build_train_loader(
         get, lo, hi = _cached_split(source, tokenizer, t, val, "train")
         num_samples = hi - lo
         if num_samples < global_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the training split has {num_samples} samples, fewer than one global batch "
                 f"({global_batch_size}); use more data, a smaller seq_len or a smaller "
                 "global_batch_size"
@@ -513,7 +513,7 @@ def build_validation_loader(
     else:
         get, lo, hi = _cached_split(source, tokenizer, t, val, "validation")
         if hi <= lo:
-            raise ValueError(
+            raise ConfigError(
                 "validation has no samples: set validation.holdout_fraction > 0 "
                 f"(now {val.holdout_fraction}) or validation.dataset_path"
             )

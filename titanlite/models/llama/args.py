@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, replace
 
+from titanlite.config import ConfigError
+
 
 @dataclass
 class ModelArgs:
@@ -27,19 +29,19 @@ class ModelArgs:
 
     def __post_init__(self):
         if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got dim/n_heads = {self.head_dim}")
+            raise ConfigError(f"RoPE needs an even head_dim, got dim/n_heads = {self.head_dim}")
         if self.document_masking and min(self.bos_id, self.eos_id) < 0:
-            raise ValueError("document_masking needs the tokenizer's bos_id and eos_id")
+            raise ConfigError("document_masking needs the tokenizer's bos_id and eos_id")
         if self.attention_backend not in ("sdpa", "flex"):
-            raise ValueError(f"attention_backend is sdpa or flex, not {self.attention_backend}")
+            raise ConfigError(f"attention_backend is sdpa or flex, not {self.attention_backend}")
         if self.attention_backend == "flex" and not self.document_masking:
-            raise ValueError(
+            raise ConfigError(
                 "attention_backend flex only applies document masks; without document masking "
                 "the plain causal SDPA kernel is the fast one: use sdpa"
             )
@@ -108,7 +110,7 @@ def get_model_args(
     """
     name = flavor.removesuffix(DOCUMENT_MASKING_SUFFIX)
     if name not in LLAMA3_FLAVORS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown model flavor {flavor!r}; available: {', '.join(LLAMA3_FLAVORS)}, each also "
             f"with {DOCUMENT_MASKING_SUFFIX} (document masking)"
         )
