@@ -28,7 +28,8 @@ from titanlite.checks import (
     check_job,
     check_single_process,
 )
-from titanlite.config import ConfigError, JobConfig, dump_toml, parse_args
+from titanlite.config import ConfigError, JobConfig
+from titanlite.config_parse import dump_toml, parse_args
 from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.distributed import (
     clip_grad_norm_,

@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlite.config import ConfigError, parse_args  # noqa: E402
+from titanlite.config import ConfigError  # noqa: E402
+from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.memory_estimate import (  # noqa: E402
     GIB,
     estimate,

@@ -46,7 +46,8 @@ from titanlite.checkpoint import (  # noqa: E402
     LoadPlan,
     check_checkpoint_dir,
 )
-from titanlite.config import Checkpoint, ConfigError, parse_args  # noqa: E402
+from titanlite.config import Checkpoint, ConfigError  # noqa: E402
+from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from titanlite.distributed import destroy, init_distributed  # noqa: E402
 from titanlite.metrics import DeviceMemoryMonitor, init_logger  # noqa: E402

@@ -18,7 +18,8 @@ import train
 from titanlite.build import model_args_for
 from titanlite.checkpoint import MARKER, CheckpointManager, plan_load
 from titanlite.checkpoint_stream import single_process_quietly
-from titanlite.config import Checkpoint, parse_args
+from titanlite.config import Checkpoint
+from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.hf import hf_files, to_hf, write_hf_config
 from titanlite.models.llama.args import ModelArgs

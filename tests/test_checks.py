@@ -4,7 +4,8 @@ check_job), each one ConfigError that names the fix; ParallelDims built from the
 import pytest
 
 from titanlite.checks import check_job, resolve_global_batch
-from titanlite.config import ConfigError, Parallelism, Training, parse_args
+from titanlite.config import ConfigError, Parallelism, Training
+from titanlite.config_parse import parse_args
 from titanlite.parallel_dims import ParallelDims
 
 

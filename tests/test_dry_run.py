@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 import train
 from titanlite import build
 from titanlite.build import model_args_for
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import init_distributed
 from titanlite.models.llama.model import Transformer

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from titanlite.build import model_args_for_vocab
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.memory_estimate import (
     GIB,
     MemorySetup,

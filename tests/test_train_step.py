@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import train
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.distributed import init_distributed
 
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__}

@@ -17,7 +17,8 @@ from titanlite.build import build_model, count_params, init_model, model_args_fo
 from titanlite.checkpoint import publish
 from titanlite.checkpoint_stream import LazyTensor, save_lazily
 from titanlite.checks import check_job
-from titanlite.config import JobConfig, dump_toml
+from titanlite.config import JobConfig
+from titanlite.config_parse import dump_toml
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import destroy, init_fake_distributed, local_value
 from titanlite.memory_estimate import GIB, estimate, setup_from_config

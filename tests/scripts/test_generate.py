@@ -14,7 +14,7 @@ from conftest import REPO, TINY_TRAIN, torchrun_script
 import train
 from titanlite.build import model_args_for
 from titanlite.checkpoint_stream import single_process_quietly
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models.llama.args import get_model_args
 from titanlite.models.llama.model import Transformer
