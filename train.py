@@ -49,11 +49,10 @@ from titanlite.metrics import (
     compute_throughput,
     get_peak_flops,
     init_logger,
-    num_flops_per_token,
 )
-from titanlite.models.llama.parallelize import loss_parallel_ctx
-from titanlite.models.llama.pipeline import PipelinedModel
+from titanlite.models import get_family
 from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
+from titanlite.parallel_dims import loss_parallel_ctx
 from titanlite.precision import resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -84,7 +83,7 @@ def forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0, sync_on
     return loss_sum
 
 
-def pipeline_forward_backward(model: PipelinedModel, microbatches, loss_scale, *, chunk_tokens=0,
+def pipeline_forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0,
                               context=contextlib.nullcontext, **_) -> torch.Tensor:  # fmt: skip
     """forward_backward through the pipeline: each microbatch is one schedule step, which splits
     it into pipeline microbatches and scales each one's summed loss by `loss_scale` (0 is
@@ -181,10 +180,10 @@ class Trainer:
             pipeline_forward_backward
         )  # fmt: skip
         # No weights are drawn that the checkpoint would overwrite (hours at 405B).
-        init_model(self.model, cfg.debug.seed, self.device, draw_weights=load_plan is None)
+        init_model(cfg, self.model, self.device, draw_weights=load_plan is None)
         logger.info(
             "model %s %s: %s parameters, vocab %d, world %d %s, compute %s",
-            cfg.model.name, cfg.model.flavor, f"{count_params(self.model_args, False):,}",
+            cfg.model.name, cfg.model.flavor, f"{count_params(cfg, self.model_args, False):,}",
             vocab, self.world_size, pd, self.compute_dtype,
         )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -207,8 +206,8 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_log_rank)
         self.memory = DeviceMemoryMonitor(self.device)
         self.peak_flops = get_peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
-        self.flops_per_token = num_flops_per_token(
-            count_params(self.model_args, exclude_embedding=True), self.model_args, t.seq_len
+        self.flops_per_token = get_family(cfg.model.name).flops_per_token(
+            count_params(cfg, self.model_args, exclude_embedding=True), self.model_args, t.seq_len
         )
         try:
             self.checkpointer.load(load_plan)

@@ -4,17 +4,18 @@ a fake process group, and the seed checkpoint; and a resumed run that draws no w
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 import train
-from titanlite import build
 from titanlite.build import model_args_for
 from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import init_distributed
+from titanlite.models import FAMILIES
 from titanlite.models.llama.model import Transformer
 
 SMALL = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
@@ -104,7 +105,8 @@ def test_seed_checkpoint_holds_the_drawn_weights_and_loading_it_draws_none(tmp_p
     def no_draws(*_):
         raise AssertionError("weights drawn although a checkpoint overwrites them")
 
-    monkeypatch.setattr(build, "init_weights_parallel", no_draws)
+    llama3 = replace(FAMILIES["llama3"], init_weights=no_draws)
+    monkeypatch.setitem(FAMILIES, "llama3", llama3)
     cfg = parse_args([*SMALL, "--checkpoint.initial_load_path", str(step0),
                       "--job.dump_folder", str(tmp_path / "run")])  # fmt: skip
     trainer = train.Trainer(cfg, init_distributed())

@@ -1,29 +1,27 @@
 """Config -> this rank's model: the model args, the meta build, the pipeline cut, parallelize,
-allocate on the device, initialize. No rank ever holds the whole model."""
+allocate on the device, initialize. No rank ever holds the whole model. What the model family
+provides comes from the model hook (titanlite.models), asked by model.name."""
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
 from titanlite.float8 import maybe_convert_float8
-from titanlite.models.llama.args import ModelArgs, get_model_args, pad_vocab
-from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.parallelize import init_weights_parallel, parallelize_llama
-from titanlite.models.llama.pipeline import PipelinedModel, cut_stages
+from titanlite.models import get_family, pad_vocab
 from titanlite.precision import DTYPES
 
 
-def model_args_for(cfg, tokenizer) -> ModelArgs:
+def model_args_for(cfg, tokenizer):
     """The flavor's args for this run and its tokenizer (the vocab padded to shard evenly)."""
-    return model_args_for_vocab(
-        cfg, pad_vocab(tokenizer.n_words), tokenizer.bos_id, tokenizer.eos_id
-    )
+    vocab_size = pad_vocab(tokenizer.n_words)
+    return model_args_for_vocab(cfg, vocab_size, tokenizer.bos_id, tokenizer.eos_id)
 
 
-def model_args_for_vocab(cfg, vocab_size: int, bos_id: int = -1, eos_id: int = -1) -> ModelArgs:
+def model_args_for_vocab(cfg, vocab_size: int, bos_id: int = -1, eos_id: int = -1):
     """The flavor's args with the run's vocab and sequence length, and the attention backend
     resolved for this machine (the estimator, which may have no tokenizer, starts here)."""
-    args = get_model_args(
+    args = get_family(cfg.model.name).model_args(
         cfg.model.flavor,
         vocab_size=vocab_size,
         max_seq_len=cfg.training.seq_len,
@@ -41,19 +39,21 @@ def model_args_for_vocab(cfg, vocab_size: int, bos_id: int = -1, eos_id: int = -
 def build_model(cfg, model_args, parallel_dims, compute_dtype, device, pipeline=None):
     """Meta build -> (cut into this rank's pipeline stages) -> parallelize -> allocate this
     rank's shards on the device (not yet initialized): no rank ever holds the whole model."""
+    family = get_family(cfg.model.name)
     with torch.device("meta"):
-        model = Transformer(model_args)
+        model = family.model_cls(model_args)
     maybe_convert_float8(model, cfg)  # before TP and FSDP, which handle float8 linears
+    prepare = partial(
+        parallelize_and_allocate, cfg=cfg, parallel_dims=parallel_dims,
+        compute_dtype=compute_dtype, device=device,
+    )  # fmt: skip
     if pipeline is None:
-        return parallelize_and_allocate(model, cfg, parallel_dims, compute_dtype, device)
-    pd = parallel_dims
-    ids, stages = cut_stages(model, pipeline, pd.pp_mesh, pd.tp_mesh)
-    stages = [parallelize_and_allocate(s, cfg, pd, compute_dtype, device) for s in stages]
-    return PipelinedModel(stages, ids, pipeline, pd.pp_mesh, device)
+        return prepare(model)
+    return family.pipeline(model, pipeline, parallel_dims, prepare, device)
 
 
 def parallelize_and_allocate(model, cfg, parallel_dims, compute_dtype, device):
-    parallelize_llama(
+    get_family(cfg.model.name).parallelize(
         model,
         parallel_dims,
         param_dtype=compute_dtype,
@@ -67,16 +67,16 @@ def parallelize_and_allocate(model, cfg, parallel_dims, compute_dtype, device):
     return model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else device).train()
 
 
-def count_params(model_args: ModelArgs, exclude_embedding: bool) -> int:
+def count_params(cfg, model_args, exclude_embedding: bool) -> int:
     """The whole model's parameter count (a rank may hold only some pipeline stages)."""
     with torch.device("meta"):
-        return Transformer(model_args).num_params(exclude_embedding)
+        return get_family(cfg.model.name).model_cls(model_args).num_params(exclude_embedding)
 
 
-def init_model(model, seed: int, device, draw_weights: bool) -> None:
-    """Every layout gets the same weights for `seed`, each rank drawing only its shards; without
-    `draw_weights` (a checkpoint will overwrite them) only the buffers are computed."""
+def init_model(cfg, model, device, draw_weights: bool) -> None:
+    """Every layout gets the same weights for debug.seed, each rank drawing only its shards;
+    without `draw_weights` (a checkpoint will overwrite them) only the buffers are computed."""
     if draw_weights:
-        init_weights_parallel(model, seed, device)
+        get_family(cfg.model.name).init_weights(model, cfg.debug.seed, device)
     else:
         model.init_buffers(device)

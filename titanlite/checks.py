@@ -11,7 +11,7 @@ from titanlite.build import model_args_for
 from titanlite.config import Checkpoint, ConfigError, JobConfig, Optimizer, Training
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
-from titanlite.models.llama.args import ModelArgs
+from titanlite.models import get_family
 from titanlite.models.llama.pipeline import PipelinePlan, canonical_schedule, plan_pipeline
 from titanlite.parallel_dims import ParallelDims
 
@@ -19,6 +19,7 @@ from titanlite.parallel_dims import ParallelDims
 def check_options(cfg: JobConfig) -> None:
     """Checks across options that need no world size (parse_args runs them; single options are
     checked as they are read)."""
+    get_family(cfg.model.name)  # a registered model family
     ckpt, ac = cfg.checkpoint, cfg.activation_checkpoint
     if ckpt.load_step >= 0 and not ckpt.enable:
         raise ConfigError(
@@ -151,7 +152,7 @@ def check_early_step_batch(optimizer: Optimizer, training: Training, dp_degree: 
 class JobLayout(NamedTuple):
     parallel_dims: ParallelDims
     tokenizer: object
-    model_args: ModelArgs
+    model_args: object  # the model family's args
     global_batch_size: int
     num_microbatches: int
     pipeline: PipelinePlan | None
@@ -249,7 +250,7 @@ def check_float8_device(cfg, device: torch.device) -> None:
     )
 
 
-def check_attention_device(model_args: ModelArgs, device: torch.device) -> None:
+def check_attention_device(model_args, device: torch.device) -> None:
     if model_args.attention_backend == "flex" and device.type == "cpu":
         raise ConfigError(
             "model.attention_backend flex cannot train on CPU: torch has no CPU backward for "

@@ -22,7 +22,7 @@ from titanlite.config_parse import dump_toml
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import destroy, init_fake_distributed, local_value
 from titanlite.memory_estimate import GIB, estimate, setup_from_config
-from titanlite.models.llama.model import Transformer
+from titanlite.models import get_family
 from titanlite.models.llama.pipeline import PipelinePlan
 from titanlite.models.tiled_init import fill_
 from titanlite.parallel_dims import ParallelDims
@@ -36,7 +36,7 @@ def write_seed_checkpoint(cfg: JobConfig) -> int:
     model size): the weights every layout draws for this seed, as a checkpoint to start from."""
     args = model_args_for(cfg, build_tokenizer(cfg.model))
     with torch.device("meta"):
-        model = Transformer(args)
+        model = get_family(cfg.model.name).model_cls(args)
     seed = cfg.debug.seed
 
     def drawn(name, shape):
@@ -71,7 +71,7 @@ def dry_run(cfg: JobConfig) -> int:
     t0 = time.perf_counter()
     model = build_model(cfg, job.model_args, job.parallel_dims, compute_dtype, device, job.pipeline)
     t1 = time.perf_counter()
-    init_model(model, cfg.debug.seed, device, draw_weights=True)
+    init_model(cfg, model, device, draw_weights=True)
     t2 = time.perf_counter()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
     # On CUDA, the target; for this rank's pipeline stages under PP.
@@ -80,7 +80,7 @@ def dry_run(cfg: JobConfig) -> int:
         "world_size": world,
         "rank": rank,
         "layout": str(job.parallel_dims),
-        "params_total": count_params(job.model_args, exclude_embedding=False),
+        "params_total": count_params(cfg, job.model_args, exclude_embedding=False),
         "params_local": sum(local_value(p).numel() for p in model.parameters()),
         "build_seconds": round(t1 - t0, 3),
         "init_seconds": round(t2 - t1, 3),

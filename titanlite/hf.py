@@ -5,7 +5,8 @@ titanlite's state-dict keys are Meta's (`layers.N.attention.wq.weight`), HF's ar
 RoPE: titanlite (like Meta) rotates interleaved pairs (2i, 2i+1) of each head; HF's rotate_half
 pairs i with i + head_dim/2. The q/k projection rows are permuted within each head so both give
 the same logits. Used by scripts/convert_checkpoint.py and by the trainer's checkpoints
-(`titanlite.checkpoint_hf`); nothing here knows about ranks.
+(`titanlite.checkpoint_hf`); nothing here knows about ranks. `args` is the llama3 family's
+ModelArgs (models/__init__.py registers `hf_name` as its HF name map).
 """
 
 import json
@@ -16,8 +17,6 @@ import torch
 from safetensors import safe_open
 
 from titanlite.config import ConfigError
-from titanlite.models.llama import model as llama_model
-from titanlite.models.llama.args import ModelArgs
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -79,7 +78,7 @@ def units(n_layers: int) -> list[list[str]]:
     ]
 
 
-def to_hf(sd: dict, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def to_hf(sd: dict, args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF names and layout for whichever titanlite weights `sd` holds (a unit or the model)."""
     out = {}
     for ours, w in sd.items():
@@ -107,7 +106,7 @@ def from_hf_lazily(get, cfg: dict, dtype: torch.dtype) -> dict[str, tuple[str, C
     return out
 
 
-def hf_config(args: ModelArgs, dtype: str) -> dict:
+def hf_config(args, dtype: str) -> dict:
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -129,20 +128,14 @@ def hf_config(args: ModelArgs, dtype: str) -> dict:
         "torch_dtype": dtype,
     }
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.use_scaled_rope:
-        cfg["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": llama_model.ROPE_SCALE_FACTOR,
-            "low_freq_factor": llama_model.ROPE_LOW_FREQ_FACTOR,
-            "high_freq_factor": llama_model.ROPE_HIGH_FREQ_FACTOR,
-            "original_max_position_embeddings": llama_model.ROPE_OLD_CONTEXT_LEN,
-        }
+    if args.rope_scaling:
+        cfg["rope_scaling"] = args.rope_scaling
         rope = {**cfg["rope_scaling"], "rope_theta": args.rope_theta}
     cfg["rope_parameters"] = rope  # transformers >= 5 reads this; older ones the two keys above
     return cfg
 
 
-def write_hf_config(out: Path, args: ModelArgs, dtype: str) -> None:
+def write_hf_config(out: Path, args, dtype: str) -> None:
     (out / CONFIG).write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
 
 

@@ -5,7 +5,10 @@ are adjacent ranks (same host, fastest links), then CP peers (one all-gather of 
 then data parallelism; pipeline stages are the farthest apart (they only pass activations).
 """
 
+import contextlib
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config import ConfigError
 
@@ -229,3 +232,8 @@ class ParallelDims:
     @property
     def pp_mesh(self) -> DeviceMesh | None:
         return self._mesh()["pp"] if self.pp_enabled else None
+
+
+def loss_parallel_ctx(enabled: bool):
+    """Context for forward AND backward (CE backward on vocab-sharded logits needs it too)."""
+    return loss_parallel() if enabled else contextlib.nullcontext()

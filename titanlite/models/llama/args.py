@@ -3,6 +3,13 @@
 from dataclasses import dataclass, replace
 
 from titanlite.config import ConfigError
+from titanlite.models import pad_vocab  # noqa: F401 (imported from here by scripts and tests)
+
+# Llama 3.1 RoPE scaling constants, as in Meta's reference apply_scaling.
+ROPE_SCALE_FACTOR = 8.0
+ROPE_LOW_FREQ_FACTOR = 1.0
+ROPE_HIGH_FREQ_FACTOR = 4.0
+ROPE_OLD_CONTEXT_LEN = 8192
 
 
 @dataclass
@@ -47,6 +54,19 @@ class ModelArgs:
             )
 
     @property
+    def rope_scaling(self) -> dict | None:
+        """Llama 3.1's RoPE frequency scaling, named as in HF's config.json (None: not scaled)."""
+        if not self.use_scaled_rope:
+            return None
+        return {
+            "rope_type": "llama3",
+            "factor": ROPE_SCALE_FACTOR,
+            "low_freq_factor": ROPE_LOW_FREQ_FACTOR,
+            "high_freq_factor": ROPE_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": ROPE_OLD_CONTEXT_LEN,
+        }
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
@@ -85,15 +105,6 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
         multiple_of=4096,
     ),
 }  # fmt: skip
-
-
-def pad_vocab(n: int, multiple: int = 128) -> int:
-    """Round the tokenizer size up so the embedding/output shapes shard and tile evenly."""
-    if n < 1 or multiple < 1:
-        raise ValueError(
-            f"pad_vocab needs n >= 1 and multiple >= 1, got n={n}, multiple={multiple}"
-        )
-    return multiple * ((n + multiple - 1) // multiple)
 
 
 # torchtitan's name for a flavor with document masking (it uses flex attention for it).
