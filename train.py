@@ -3,87 +3,61 @@
     python train.py --job.config_file debug_model.toml --training.steps 100
     torchrun --nproc_per_node=8 train.py --job.config_file llama_8b.toml
 
-This is the only file that sees the whole JobConfig: `Trainer` checks what a user can get wrong,
-builds each piece from its own config section, and `Trainer.train` runs the schedule. One step:
+`Trainer` checks what a user can get wrong (titanlite/checks.py), builds the model
+(titanlite/build.py) and every other piece from its own config section, and `Trainer.train` runs
+the schedule. One step:
     microbatches -> count the step's target tokens (one all-reduce, which also carries the stop
     votes) -> per microbatch: forward, loss sum x (1 / step tokens), backward at once -> clip by
     the global norm -> read "finite?" and "stop?" (the step's one host sync) -> optimizer step.
 """
 
 import contextlib
-import json
 import logging
-import math
 import os
-import pickle
-import resource
-import shutil
 import sys
 import time
-from dataclasses import replace
-from functools import partial
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load, publish
-from titanlite.checkpoint.stream import LazyTensor, save_lazily
-from titanlite.config import (
-    ConfigError,
-    JobConfig,
-    check_early_step_batch,
-    dump_toml,
-    parse_args,
-    resolve_global_batch,
+from titanlite.build import build_model, count_params, init_model
+from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
+from titanlite.checks import (
+    check_attention_device,
+    check_float8_device,
+    check_job,
+    check_single_process,
 )
+from titanlite.config import ConfigError, JobConfig
+from titanlite.config_parse import dump_toml, parse_args
 from titanlite.data.loader import build_train_loader, build_validation_loader
-from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import (
     clip_grad_norm_,
     destroy,
     dist_sum,
     init_distributed,
-    init_fake_distributed,
+    local_value,
+    to_device,
     world_sum,
 )
-from titanlite.float8 import (
-    check_float8,
-    check_float8_device,
-    float8_after_optimizer_step,
-    maybe_convert_float8,
-)
+from titanlite.dry_run import dry_run, write_seed_checkpoint
+from titanlite.float8 import float8_after_optimizer_step
 from titanlite.loss import IGNORE_INDEX
-from titanlite.memory_estimate import GIB, estimate, setup_from_config
 from titanlite.metrics import (
     DeviceMemoryMonitor,
     MetricsLogger,
     compute_throughput,
     get_peak_flops,
     init_logger,
-    num_flops_per_token,
 )
-from titanlite.models.llama.args import ModelArgs, get_model_args, pad_vocab
-from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.parallelize import (
-    init_weights_parallel,
-    loss_parallel_ctx,
-    parallelize_llama,
-)
-from titanlite.models.llama.pipeline import (
-    PipelinedModel,
-    PipelinePlan,
-    canonical_schedule,
-    cut_stages,
-    plan_pipeline,
-)
-from titanlite.models.tiled_init import fill_
+from titanlite.models import get_family
 from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
-from titanlite.parallel_dims import ParallelDims
-from titanlite.precision import DTYPES, resolve_param_dtype
+from titanlite.parallel_dims import loss_parallel_ctx
+from titanlite.precision import resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titanlite.train_state import TrainState
+from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
 
@@ -109,7 +83,7 @@ def forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0, sync_on
     return loss_sum
 
 
-def pipeline_forward_backward(model: PipelinedModel, microbatches, loss_scale, *, chunk_tokens=0,
+def pipeline_forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0,
                               context=contextlib.nullcontext, **_) -> torch.Tensor:  # fmt: skip
     """forward_backward through the pipeline: each microbatch is one schedule step, which splits
     it into pipeline microbatches and scales each one's summed loss by `loss_scale` (0 is
@@ -130,18 +104,6 @@ def count_step_tokens(microbatches, counts: bool, stop_vote: bool, device):
     votes = torch.stack([local if counts else zero, torch.tensor(int(stop_vote))])
     votes = world_sum(to_device(votes, device))
     return votes[0], votes[1]
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without blocking the host: from pinned memory, asynchronously."""
-    if device.type == "cuda" and not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    """The loss under loss parallel is a replicated DTensor; its local value is the loss."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class StepResult(NamedTuple):
@@ -177,155 +139,6 @@ class LogWindow:
         self.seconds += out.seconds
         self.data_seconds += out.data_seconds
         self.last = out
-
-
-class Validator:
-    """Every validation.freq steps and at the last step (when enabled): the token-weighted loss
-    over the held-out split, every batch counted once, never a mean of batch means."""
-
-    def __init__(self, loader, validation_cfg, last_step, model_context, parallel_dims, device):
-        self.schedule = Every(validation_cfg.freq, last_step, enabled=loader is not None)
-        self.loader, self.steps = loader, validation_cfg.steps
-        self.model_context, self.device = model_context, device
-        # Tokens are counted on whole sequences (dp ranks); loss sums come from CP's parts too.
-        self.dp_mesh, self.loss_mesh = parallel_dims.dp_mesh, parallel_dims.loss_mesh
-
-    def due(self, step: int) -> bool:
-        return self.schedule.due(step)
-
-    @torch.no_grad()
-    def run(self, model, chunk_tokens: int = 0) -> dict:
-        model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
-        for tok, labels in self.loader.iter_batches(self.steps):
-            tok, labels = to_device(tok, self.device), to_device(labels, self.device)
-            with self.model_context():
-                loss_sum += local_value(model(tok, labels, chunk_tokens=chunk_tokens))
-            tokens += (labels != IGNORE_INDEX).sum()
-        model.train()
-        if hasattr(model, "reshard"):  # FSDP's root stays unsharded after a no-grad forward
-            model.reshard()
-        val_loss = (dist_sum(loss_sum, self.loss_mesh) / dist_sum(tokens, self.dp_mesh)).item()
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
-
-
-class JobLayout(NamedTuple):
-    parallel_dims: ParallelDims
-    tokenizer: object
-    model_args: ModelArgs
-    global_batch_size: int
-    num_microbatches: int
-    pipeline: PipelinePlan | None
-
-
-def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
-    """What a config can get wrong that needs no data, weights or device: degrees against the
-    world size, the model's shapes against TP, the batch arithmetic."""
-    p, t = cfg.parallelism, cfg.training
-    pd = ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, world_size=world_size,
-        pp=p.pipeline_parallel_degree,
-    )  # fmt: skip
-    tokenizer = build_tokenizer(cfg.model)
-    args = model_args_for(cfg, tokenizer)
-    pd.validate_model(args)
-    global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
-    check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
-    check_float8(cfg, pd)
-    canonical_schedule(p.pipeline_parallel_schedule)  # a typo fails with PP off too
-    pipeline = None
-    if pd.pp_enabled:
-        check_pipeline_options(cfg)
-        pipeline = plan_pipeline(args.n_layers, pd.pp, t.local_batch_size, p)
-    return JobLayout(pd, tokenizer, args, global_batch_size, num_microbatches, pipeline)
-
-
-def check_pipeline_options(cfg: JobConfig) -> None:
-    """Options whose mechanics the pipeline schedule takes over, refused with the fix."""
-    t, val = cfg.training, cfg.validation
-    refused = {
-        "optimizer.early_step_in_backward": cfg.optimizer.early_step_in_backward,
-        "training.enable_cpu_offload": t.enable_cpu_offload,
-        "training.accumulation_sync last (each schedule step reduces its gradients)": (
-            t.accumulation_sync == "last"
-        ),
-        "validation.local_batch_size other than training's (the schedule's microbatches)": (
-            val.enable and val.local_batch_size not in (-1, t.local_batch_size)
-        ),
-    }
-    for what, on in refused.items():
-        if on:
-            raise ConfigError(f"pipeline parallelism does not support {what}; turn it off")
-
-
-def model_args_for(cfg: JobConfig, tokenizer) -> ModelArgs:
-    args = get_model_args(
-        cfg.model.flavor,
-        vocab_size=pad_vocab(tokenizer.n_words),
-        max_seq_len=cfg.training.seq_len,
-        use_scaled_rope=cfg.model.use_scaled_rope,
-        bos_id=tokenizer.bos_id,
-        eos_id=tokenizer.eos_id,
-        document_masking=cfg.model.document_masking,
-    )
-    backend = cfg.model.attention_backend
-    if backend == "auto":  # flex attention trains only on CUDA (no CPU backward in torch)
-        backend = "flex" if args.document_masking and torch.cuda.is_available() else "sdpa"
-    return replace(args, attention_backend=backend)
-
-
-def check_attention_device(model_args: ModelArgs, device: torch.device) -> None:
-    if model_args.attention_backend == "flex" and device.type == "cpu":
-        raise ConfigError(
-            "model.attention_backend flex cannot train on CPU: torch has no CPU backward for "
-            "flex attention; use sdpa (the same mask, dense) or auto"
-        )
-
-
-def build_model(cfg, model_args, parallel_dims, compute_dtype, device, pipeline=None):
-    """Meta build -> (cut into this rank's pipeline stages) -> parallelize -> allocate this
-    rank's shards on the device (not yet initialized): no rank ever holds the whole model."""
-    with torch.device("meta"):
-        model = Transformer(model_args)
-    maybe_convert_float8(model, cfg)  # before TP and FSDP, which handle float8 linears
-    if pipeline is None:
-        return parallelize_and_allocate(model, cfg, parallel_dims, compute_dtype, device)
-    pd = parallel_dims
-    ids, stages = cut_stages(model, pipeline, pd.pp_mesh, pd.tp_mesh)
-    stages = [parallelize_and_allocate(s, cfg, pd, compute_dtype, device) for s in stages]
-    return PipelinedModel(stages, ids, pipeline, pd.pp_mesh, device)
-
-
-def parallelize_and_allocate(model, cfg, parallel_dims, compute_dtype, device):
-    parallelize_llama(
-        model,
-        parallel_dims,
-        param_dtype=compute_dtype,
-        reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
-        parallelism_cfg=cfg.parallelism,
-        ac_cfg=cfg.activation_checkpoint,
-        compile_cfg=cfg.compile,
-        cpu_offload=cfg.training.enable_cpu_offload,
-    )
-    # CPU offload keeps the shards in host memory; init_model draws them on the device.
-    return model.to_empty(device="cpu" if cfg.training.enable_cpu_offload else device).train()
-
-
-def count_params(model_args: ModelArgs, exclude_embedding: bool) -> int:
-    """The whole model's parameter count (a rank may hold only some pipeline stages)."""
-    with torch.device("meta"):
-        return Transformer(model_args).num_params(exclude_embedding)
-
-
-def init_model(model, seed: int, device, draw_weights: bool) -> None:
-    """Every layout gets the same weights for `seed`, each rank drawing only its shards; without
-    `draw_weights` (a checkpoint will overwrite them) only the buffers are computed."""
-    if draw_weights:
-        init_weights_parallel(model, seed, device)
-    else:
-        model.init_buffers(device)
 
 
 class Trainer:
@@ -367,10 +180,10 @@ class Trainer:
             pipeline_forward_backward
         )  # fmt: skip
         # No weights are drawn that the checkpoint would overwrite (hours at 405B).
-        init_model(self.model, cfg.debug.seed, self.device, draw_weights=load_plan is None)
+        init_model(cfg, self.model, self.device, draw_weights=load_plan is None)
         logger.info(
             "model %s %s: %s parameters, vocab %d, world %d %s, compute %s",
-            cfg.model.name, cfg.model.flavor, f"{count_params(self.model_args, False):,}",
+            cfg.model.name, cfg.model.flavor, f"{count_params(cfg, self.model_args, False):,}",
             vocab, self.world_size, pd, self.compute_dtype,
         )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -385,15 +198,16 @@ class Trainer:
             self.state, dp_degree=pd.dp_degree, last_step=t.steps,
         )  # fmt: skip
         self.preemption = Preemption()
+        val_schedule = Every(cfg.validation.freq, t.steps, enabled=val_loader is not None)
         self.validator = Validator(
-            val_loader, cfg.validation, t.steps, self.model_context, pd, self.device
+            val_loader, cfg.validation, val_schedule, self.model_context, pd, self.device
         )
         self.log_schedule = Every(cfg.metrics.log_freq, t.steps, first=True)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_log_rank)
         self.memory = DeviceMemoryMonitor(self.device)
         self.peak_flops = get_peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
-        self.flops_per_token = num_flops_per_token(
-            count_params(self.model_args, exclude_embedding=True), self.model_args, t.seq_len
+        self.flops_per_token = get_family(cfg.model.name).flops_per_token(
+            count_params(cfg, self.model_args, exclude_embedding=True), self.model_args, t.seq_len
         )
         try:
             self.checkpointer.load(load_plan)
@@ -527,88 +341,10 @@ class Trainer:
         self.loader.close()
 
 
-def write_seed_checkpoint(cfg: JobConfig) -> int:
-    """Step 0, weights only, written one tensor at a time (memory: the largest tensor, at any
-    model size): the weights every layout draws for this seed, as a checkpoint to start from."""
-    args = model_args_for(cfg, build_tokenizer(cfg.model))
-    with torch.device("meta"):
-        model = Transformer(args)
-    seed = cfg.debug.seed
-
-    def drawn(name, shape):
-        t = torch.empty(shape)
-        fill_(t, model.param_init(name), seed=seed, key=name, global_shape=shape)
-        return t
-
-    weights = {
-        name: LazyTensor(tuple(p.shape), torch.float32, partial(drawn, name, p.shape))
-        for name, p in model.named_parameters()
-    }
-    meta = {"step": 0, "model_only": True, "dp_degree": 1, "world_size": 1}
-    folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    shutil.rmtree(folder / "step-0.tmp", ignore_errors=True)  # a crashed earlier attempt
-    save_lazily({"model": weights, "meta": pickle.dumps(meta)}, folder / "step-0.tmp")
-    path = publish(folder, 0)
-    dump_toml(cfg, os.path.join(cfg.job.dump_folder, "config.toml"))  # conversion reads it
-    logger.info("seed checkpoint written: %s (%s parameters)", path, f"{model.num_params(False):,}")
-    return 0
-
-
-def dry_run(cfg: JobConfig) -> int:
-    """Play rank comm.fake_rank of comm.fake_world_size over a fake process group: every check of
-    the real job, the mesh, parallelize, and this rank's shards allocated and initialized for
-    real; report the per-rank figures and write {dump_folder}/dry_run.json. No data, no step."""
-    comm = cfg.comm
-    dist_env = init_fake_distributed(comm.fake_rank, comm.fake_world_size)
-    rank, _, world, device = dist_env
-    job = check_job(cfg, world)
-    job.parallel_dims.build_mesh(device.type)
-    compute_dtype = resolve_param_dtype(cfg.training.mixed_precision_param, device)
-    t0 = time.perf_counter()
-    model = build_model(cfg, job.model_args, job.parallel_dims, compute_dtype, device, job.pipeline)
-    t1 = time.perf_counter()
-    init_model(model, cfg.debug.seed, device, draw_weights=True)
-    t2 = time.perf_counter()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
-    # On CUDA, the target; for this rank's pipeline stages under PP.
-    setup = setup_from_config(cfg, world, job.model_args.vocab_size, device="cuda", rank=rank)
-    report = {
-        "world_size": world,
-        "rank": rank,
-        "layout": str(job.parallel_dims),
-        "params_total": count_params(job.model_args, exclude_embedding=False),
-        "params_local": sum(local_value(p).numel() for p in model.parameters()),
-        "build_seconds": round(t1 - t0, 3),
-        "init_seconds": round(t2 - t1, 3),
-        "estimated_peak_gib": round(estimate(setup).total / GIB, 3),
-        "checkpoint_bytes": 3 * weights,  # fp32 weights and AdamW's two moments
-        "global_batch_size": job.global_batch_size,
-        "microbatches": job.num_microbatches,
-        "pipeline_stages": pipeline_stages(job.pipeline, job.parallel_dims),
-        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-    }
-    out = Path(cfg.job.dump_folder) / "dry_run.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    logger.info("dry run OK, rank %d of %d:\n%s\nwritten to %s",
-                rank, world, json.dumps(report, indent=2), out)  # fmt: skip
-    destroy()
-    return 0
-
-
-def pipeline_stages(plan: PipelinePlan | None, parallel_dims: ParallelDims) -> dict | None:
-    """{stage: its layers as [first, last]} of this rank's pipeline stages (None without PP)."""
-    if plan is None:
-        return None
-    pp_rank = parallel_dims.pp_mesh.get_local_rank()
-    ids = plan.stage_ids(pp_rank, parallel_dims.pp)
-    return {i: [plan.stage_layers[i].start, plan.stage_layers[i].stop - 1] for i in ids}
-
-
 def main(argv=None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        _check_single_process(cfg)
+        check_single_process(cfg)
     except ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         return 2
@@ -617,7 +353,7 @@ def main(argv=None) -> int:
         job = dry_run if cfg.comm.mode == "fake_backend" else write_seed_checkpoint
         try:
             return job(cfg)
-        except (ConfigError, ValueError, FileNotFoundError) as e:
+        except ConfigError as e:
             print(f"titanlite: error: {e}", file=sys.stderr)
             return 2
     dist_env = init_distributed(cpu_backend=cfg.training.enable_cpu_offload)
@@ -629,7 +365,7 @@ def main(argv=None) -> int:
         torch.use_deterministic_algorithms(True)
     try:
         trainer = Trainer(cfg, dist_env)
-    except (ConfigError, ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ConfigError, CheckpointError) as e:
         # User mistakes (config, data, checkpoint), found before any step: one line, no
         # traceback wall. Every rank fails the same way, so one of them says it.
         if rank == 0:
@@ -651,18 +387,6 @@ def main(argv=None) -> int:
     del trainer  # unreachable, so destroy() frees its process groups while Python is whole
     destroy()
     return code
-
-
-def _check_single_process(cfg: JobConfig) -> None:
-    """The dry run and the seed checkpoint are one process's work, whatever the target world."""
-    what = "--comm.mode fake_backend" if cfg.comm.mode == "fake_backend" else (
-        "--checkpoint.create_seed_checkpoint" if cfg.checkpoint.create_seed_checkpoint else None
-    )  # fmt: skip
-    if what and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise ConfigError(
-            f"{what} runs in a single process: use plain `python train.py`, not torchrun "
-            "(the dry run plays the world given by --comm.fake_world_size)"
-        )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titanlite.config import parse_args  # noqa: E402
+from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 from titanlite.models.llama.args import LLAMA3_FLAVORS, get_model_args, pad_vocab  # noqa: E402
 from titanlite.models.llama.model import Transformer  # noqa: E402

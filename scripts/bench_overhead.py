@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from titanlite.config import parse_args  # noqa: E402
+from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.distributed import destroy  # noqa: E402
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
 from titanlite.models.llama.model import Transformer  # noqa: E402

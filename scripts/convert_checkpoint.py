@@ -49,7 +49,7 @@ from titanlite.hf import (
     units,
     write_hf_config,
 )
-from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs
+from titanlite.models import get_family
 
 try:
     import tomllib
@@ -121,18 +121,19 @@ def run_config(step_dir: Path) -> tuple[Path, dict]:
     return path, tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
-def model_args_for(shapes: dict, flavor: str, step_dir: Path) -> ModelArgs:
+def model_args_for(shapes: dict, flavor: str, step_dir: Path):
     """Shapes come from the weights; head counts, RoPE and eps from the flavor (given, or the
     one in the run's config.toml)."""
     cfg_path, cfg = run_config(step_dir)
     model_cfg = cfg.get("model", {})
     flavor = flavor or model_cfg.get("flavor")
-    if flavor not in LLAMA3_FLAVORS:
+    flavors = get_family(model_cfg.get("name", "llama3")).flavors
+    if flavor not in flavors:
         raise ValueError(
-            f"need --flavor (one of {list(LLAMA3_FLAVORS)}); got {flavor!r} and {cfg_path} "
+            f"need --flavor (one of {list(flavors)}); got {flavor!r} and {cfg_path} "
             f"{'has no model.flavor' if cfg else 'does not exist'}"
         )
-    base = LLAMA3_FLAVORS[flavor]
+    base = flavors[flavor]
     vocab, dim = shapes["tok_embeddings.weight"]
     n_layers = len({k.split(".")[1] for k in shapes if k.startswith("layers.")})
     if (dim, n_layers) != (base.dim, base.n_layers):

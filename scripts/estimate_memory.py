@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlite.config import ConfigError, parse_args  # noqa: E402
+from titanlite.config import ConfigError  # noqa: E402
+from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.memory_estimate import (  # noqa: E402
     GIB,
     estimate,
@@ -56,15 +57,20 @@ def split_extra(argv: list[str]) -> tuple[dict, list[str]]:
     return extra, rest
 
 
-def vocab_size_of(cfg) -> int:
+def model_args_of(cfg, vocab_size: int | None):
+    """The run's model args, made as training makes them: from the tokenizer, unless
+    --vocab_size names the vocab or the tokenizer is not available (then Llama 3's)."""
+    from titanlite.build import model_args_for, model_args_for_vocab
     from titanlite.data.tokenizer import build_tokenizer
-    from titanlite.models.llama.args import pad_vocab
 
+    if vocab_size:
+        return model_args_for_vocab(cfg, vocab_size)
     try:
-        return pad_vocab(build_tokenizer(cfg.model).n_words)
-    except (FileNotFoundError, OSError, ValueError) as e:
+        tokenizer = build_tokenizer(cfg.model)
+    except (OSError, ValueError) as e:
         print(f"note: tokenizer not available ({e}); using Llama 3's vocab {LLAMA3_VOCAB}")
-        return LLAMA3_VOCAB
+        return model_args_for_vocab(cfg, LLAMA3_VOCAB)
+    return model_args_for(cfg, tokenizer)
 
 
 def _rss_bytes(field: str) -> int:
@@ -113,9 +119,10 @@ def main(argv: list[str]) -> int:
     try:
         extra, rest = split_extra(argv)
         cfg = parse_args(rest)
-        vocab = extra.get("vocab_size") or vocab_size_of(cfg)
+        model_args = model_args_of(cfg, extra.get("vocab_size"))
+        vocab = model_args.vocab_size
         world = extra.get("world_size", 1)
-        setup = setup_from_config(cfg, world, vocab, extra.get("device", "cuda"))
+        setup = setup_from_config(cfg, world, model_args, extra.get("device", "cuda"))
         if extra.get("measure") and (world != 1 or setup.device != "cpu"):
             raise ConfigError("--measure runs one CPU process: use --world_size 1 --device cpu")
     except (ConfigError, ValueError) as e:

@@ -37,23 +37,23 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titanlite.build import model_args_for  # noqa: E402
 from titanlite.checkpoint import (  # noqa: E402
     CheckpointError,
     CheckpointManager,
     LoadPlan,
     check_checkpoint_dir,
 )
-from titanlite.config import Checkpoint, ConfigError, parse_args  # noqa: E402
+from titanlite.config import Checkpoint, ConfigError  # noqa: E402
+from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from titanlite.distributed import destroy, init_distributed  # noqa: E402
 from titanlite.metrics import DeviceMemoryMonitor, init_logger  # noqa: E402
-from titanlite.models.llama.args import ModelArgs  # noqa: E402
-from titanlite.models.llama.model import Transformer  # noqa: E402
-from titanlite.models.llama.parallelize import apply_tp  # noqa: E402
+from titanlite.models import ModelFamily, get_family  # noqa: E402
 from titanlite.parallel_dims import ParallelDims  # noqa: E402
-from train import model_args_for  # noqa: E402
 
 logger = logging.getLogger("titanlite.generate")
 
@@ -93,7 +93,8 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
 
 class Job(NamedTuple):
     tokenizer: Tokenizer
-    model_args: ModelArgs
+    family: ModelFamily
+    model_args: object  # the family's args
     parallel_dims: ParallelDims
     prompt_ids: list[int]
 
@@ -120,7 +121,7 @@ def prepare(opts: argparse.Namespace, world_size: int) -> Job:
             f"{args.max_seq_len} (the run's training.seq_len); shorten the prompt or lower "
             "--max_new_tokens"
         )
-    return Job(tokenizer, args, parallel_dims, prompt_ids)
+    return Job(tokenizer, get_family(cfg.model.name), args, parallel_dims, prompt_ids)
 
 
 def check_options(opts: argparse.Namespace) -> None:
@@ -134,7 +135,7 @@ def check_options(opts: argparse.Namespace) -> None:
         raise ValueError(f"--tp must be >= 1 (or 0 = the number of processes), got {opts.tp}")
 
 
-def tp_layout(tp: int, world_size: int, model_args: ModelArgs) -> ParallelDims:
+def tp_layout(tp: int, world_size: int, model_args) -> ParallelDims:
     """TP over `tp` ranks; the world / tp groups are replicas that compute the same tokens."""
     if world_size % tp:
         raise ValueError(
@@ -147,14 +148,14 @@ def tp_layout(tp: int, world_size: int, model_args: ModelArgs) -> ParallelDims:
     return parallel_dims
 
 
-def build_inference_model(job: Job, device: torch.device) -> Transformer:
+def build_inference_model(job: Job, device: torch.device) -> nn.Module:
     """Meta build -> TP (no FSDP, AC or compile: nothing is trained) -> this rank's shards on the
     device, weights not yet loaded."""
     with torch.device("meta"):
-        model = Transformer(job.model_args)
+        model = job.family.model_cls(job.model_args)
     if job.parallel_dims.tp_enabled:
         job.parallel_dims.build_mesh(device.type)
-        apply_tp(model, job.parallel_dims.tp_mesh, shard_logits=False)
+        job.family.tensor_parallel(model, job.parallel_dims.tp_mesh, shard_logits=False)
     model.to_empty(device=device).eval()
     model.init_buffers(device)  # the RoPE cache is derived, not saved
     # The loop reads only the last position's logits; registered after TP's own input hook, so
@@ -163,7 +164,7 @@ def build_inference_model(job: Job, device: torch.device) -> Transformer:
     return model
 
 
-def load_weights(model: Transformer, step_dir: Path) -> None:
+def load_weights(model: nn.Module, step_dir: Path) -> None:
     """The model part of a full or model-only checkpoint, resharded into this layout."""
     manager = CheckpointManager(Checkpoint(), step_dir.parent, model, None, None, None, None)
     try:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from titanlite.config import ConfigError, parse_args  # noqa: E402
+from titanlite.config import ConfigError  # noqa: E402
+from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.data.cache import cache_dir  # noqa: E402
 from titanlite.data.sources import (  # noqa: E402
     HUB_DATASETS,

@@ -4,14 +4,18 @@ a fake process group, and the seed checkpoint; and a resumed run that draws no w
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 import train
-from titanlite.config import parse_args
+from titanlite.build import model_args_for
+from titanlite.config_parse import parse_args
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import init_distributed
+from titanlite.models import FAMILIES
 from titanlite.models.llama.model import Transformer
 
 SMALL = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
@@ -42,7 +46,7 @@ def test_dry_run_builds_only_this_ranks_share(tmp_path, flavor, world, tp):
     # FSDP pads uneven dims (the norms) by at most a row per parameter.
     assert report["params_local"] == pytest.approx(report["params_total"] / world, rel=0.01)
     cfg = parse_args(args)
-    model_args = train.model_args_for(cfg, train.build_tokenizer(cfg.model))
+    model_args = model_args_for(cfg, build_tokenizer(cfg.model))
     with torch.device("meta"):
         assert report["params_total"] == Transformer(model_args).num_params(False)
     assert report["checkpoint_bytes"] == 12 * report["params_total"]  # fp32 weights + 2 moments
@@ -61,7 +65,7 @@ def test_dry_run_under_pp_builds_this_ranks_stage(tmp_path):
     assert "pp=2, dp_replicate=1, dp_shard=4" in report["layout"]
     assert report["pipeline_stages"] == {"1": [3, 5]}
     cfg = parse_args(args)
-    model_args = train.model_args_for(cfg, train.build_tokenizer(cfg.model))
+    model_args = model_args_for(cfg, build_tokenizer(cfg.model))
     with torch.device("meta"):
         whole = Transformer(model_args)
     held = ("layers.3.", "layers.4.", "layers.5.", "norm.", "output.")
@@ -101,7 +105,8 @@ def test_seed_checkpoint_holds_the_drawn_weights_and_loading_it_draws_none(tmp_p
     def no_draws(*_):
         raise AssertionError("weights drawn although a checkpoint overwrites them")
 
-    monkeypatch.setattr(train, "init_weights_parallel", no_draws)
+    llama3 = replace(FAMILIES["llama3"], init_weights=no_draws)
+    monkeypatch.setitem(FAMILIES, "llama3", llama3)
     cfg = parse_args([*SMALL, "--checkpoint.initial_load_path", str(step0),
                       "--job.dump_folder", str(tmp_path / "run")])  # fmt: skip
     trainer = train.Trainer(cfg, init_distributed())

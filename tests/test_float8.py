@@ -13,7 +13,7 @@ from conftest import TINY_TRAIN, read_jsonl, run_train
 from torch import nn
 
 import train
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.float8 import FLOAT8, maybe_convert_float8, tp_styles
 from titanlite.models.llama.args import get_model_args
 from titanlite.models.llama.model import Transformer

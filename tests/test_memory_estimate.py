@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from titanlite.config import parse_args
+from titanlite.build import model_args_for_vocab
+from titanlite.config_parse import parse_args
 from titanlite.memory_estimate import (
     GIB,
     MemorySetup,
@@ -132,7 +133,7 @@ def test_cpu_offload_keeps_params_grads_and_states_off_the_device():
         if dp_shard == 2:
             assert [offloaded[k] for k in kept] == [estimate(fp32).rows[k] for k in kept]
     cfg = parse_args(["--training.enable_cpu_offload"])
-    assert setup_from_config(cfg, world_size=2, vocab_size=128).cpu_offload
+    assert setup_from_config(cfg, 2, model_args_for_vocab(cfg, 128)).cpu_offload
 
 
 def test_bad_setup_is_a_value_error():
@@ -184,9 +185,10 @@ def test_pp_estimates_every_stage_of_the_405b_config():
     cfg = parse_args(["--job.config_file", "llama_405b.toml",
                       "--parallelism.pipeline_parallel_degree", "8",
                       "--training.local_batch_size", "8"])  # fmt: skip
-    stages = estimate_stages(setup_from_config(cfg, 512, 128256))
+    args = model_args_for_vocab(cfg, 128256)
+    stages = estimate_stages(setup_from_config(cfg, 512, args))
     assert len(stages) == 8
-    flat = estimate(setup_from_config(cfg, 512, 128256, rank=0))
+    flat = estimate(setup_from_config(cfg, 512, args, rank=0))
     assert flat.total == stages[0].total  # global rank 0 is on pipeline rank 0
     params = sum(e.rows["params (fp32, sharded)"] for e in stages) * 8 * 8  # x dp_shard x tp
     assert params == pytest.approx(stages[0].num_params * 4, rel=0.02)  # norms replicate over tp

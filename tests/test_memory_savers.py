@@ -8,7 +8,7 @@ from conftest import TINY_TRAIN, read_jsonl, run_train
 from torch.distributed.fsdp import FSDPModule
 
 import train
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.distributed import init_distributed
 
 # FSDP over 2 ranks, one microbatch each (global 8 = 4 x 2) and no clipping: what the early step

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from titanlite import metrics, precision
-from titanlite.config import DTYPE_CHOICES, parse_args
+from titanlite.config import DTYPE_CHOICES
+from titanlite.config_parse import parse_args
 
 
 def _cpu_bf16(monkeypatch, native: bool):

@@ -53,6 +53,7 @@ def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
             "/no/such",
         ),
         (["--model.flavor", "9B"], "debugmodel"),
+        (["--model.name", "foo"], "registered: llama3"),
         (["--checkpoint.enable", "--checkpoint.load_step", "7"], "no complete checkpoint"),
         (["--checkpoint.initial_load_path", "/no/such/step-0"], "/no/such/step-0"),
         (["--model.attention_backend", "flex"], "flex only applies document masks"),

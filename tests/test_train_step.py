@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import train
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.distributed import init_distributed
 
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__}
@@ -85,3 +85,16 @@ def test_step_tokens_count_each_label_once_and_carry_the_stop_vote():
     assert (tokens.item(), votes.item()) == (5, 1)
     tokens, votes = train.count_step_tokens(microbatches, False, False, torch.device("cpu"))
     assert (tokens.item(), votes.item()) == (0, 0)  # a TP peer: its labels are counted elsewhere
+
+
+def test_an_internal_error_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only user mistakes (ConfigError) become one line and exit 2: a bug's ValueError
+    propagates."""
+
+    def bug(*_):
+        raise ValueError("a bug, not the user's")
+
+    monkeypatch.setattr(train, "check_attention_device", bug)
+    argv = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
+    with pytest.raises(ValueError, match="a bug"):
+        train.main([*argv, "--training.seq_len", "32", "--job.dump_folder", str(tmp_path)])

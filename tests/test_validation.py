@@ -9,7 +9,7 @@ import torch
 from conftest import read_jsonl, run_train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.data.loader import build_validation_loader
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models.llama.args import get_model_args, pad_vocab

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import train
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.distributed import destroy, init_distributed
 
 

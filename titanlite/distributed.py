@@ -1,4 +1,5 @@
-"""Process-group setup, cross-mesh gradient clipping and small reduction helpers.
+"""Process-group setup, cross-mesh gradient clipping, small reduction helpers, and a tensor's
+way to this rank's device or its local shard.
 
 Works the same under torchrun (any world size) and plain `python` (a one-rank process group):
 every helper degrades to a no-op when there is nothing to reduce over.
@@ -91,6 +92,19 @@ def destroy(barrier: bool = True) -> None:
         # modules) would otherwise be freed during interpreter shutdown, where gloo's worker
         # threads releasing their last work can abort the process ("terminate called ...").
         gc.collect()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without blocking the host: from pinned memory, asynchronously."""
+    if device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the loss under loss parallel is a replicated one: its local
+    value is the loss); a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _group(mesh_or_group):

@@ -19,7 +19,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,7 +36,7 @@ def float8_enabled(cfg) -> bool:
     return FLOAT8 in cfg.model.converters
 
 
-def _torchao_float8():
+def torchao_float8():
     try:
         import torchao.float8
     except ImportError:
@@ -48,62 +47,7 @@ def _torchao_float8():
     return torchao.float8
 
 
-def check_float8(cfg, parallel_dims) -> None:
-    """What a float8 config can get wrong that needs no device (config `cfg`: the JobConfig)."""
-    if not float8_enabled(cfg):
-        return
-    f8 = cfg.quantize.linear.float8
-    _torchao_float8()
-    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
-        raise ConfigError(
-            "quantize.linear.float8.enable_fsdp_float8_all_gather needs one scale per weight: "
-            f"set --quantize.linear.float8.recipe_name tensorwise (got {f8.recipe_name!r})"
-        )
-    if f8.enable_fsdp_float8_all_gather and not parallel_dims.fsdp_enabled:
-        raise ConfigError(
-            "quantize.linear.float8.enable_fsdp_float8_all_gather casts FSDP's weight "
-            f"all-gather, but this layout ({parallel_dims}) has no FSDP: add data parallelism "
-            "or leave it off"
-        )
-    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
-        raise ConfigError(
-            "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp precomputes the "
-            "scales of the float8 weight all-gather: add "
-            "--quantize.linear.float8.enable_fsdp_float8_all_gather"
-        )
-    if f8.emulate and cfg.compile.enable:
-        raise ConfigError(
-            "quantize.linear.float8.emulate runs in eager mode only (torchao): drop "
-            "--compile.enable, or drop emulate on a GPU of CUDA capability 8.9+"
-        )
-    if cfg.loss.chunk_tokens and not _filtered("output", f8.filter_fqns):
-        raise ConfigError(
-            "the chunked loss (loss.chunk_tokens) reads output.weight directly, so a float8 "
-            "output layer would run in high precision there: keep 'output' in "
-            "quantize.linear.float8.filter_fqns or set --loss.chunk_tokens 0"
-        )
-
-
-def check_float8_device(cfg, device: torch.device) -> None:
-    """Float8 matmuls need CUDA capability 8.9+ (Ada, Hopper, Blackwell) unless emulated. Not
-    checked by the dry run, whose CPU plays the job's GPUs."""
-    if not float8_enabled(cfg) or cfg.quantize.linear.float8.emulate:
-        return
-    if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability >= (8, 9):
-            return
-        where = f"a GPU of CUDA capability {capability[0]}.{capability[1]}"
-    else:
-        where = device.type
-    raise ConfigError(
-        f"float8 matmuls need a GPU of CUDA capability 8.9 or newer; this run is on {where}: "
-        "add --quantize.linear.float8.emulate (same numerics with ordinary matmuls, slower: "
-        f"for testing) or drop {FLOAT8} from model.converters"
-    )
-
-
-def _filtered(fqn: str, filter_fqns: list[str]) -> bool:
+def filtered(fqn: str, filter_fqns: list[str]) -> bool:
     return any(f in fqn for f in filter_fqns)
 
 
@@ -111,7 +55,7 @@ def _convertible(module: nn.Module, fqn: str, filter_fqns: list[str]) -> bool:
     """torchtitan's filter: linears whose name contains no filter_fqns entry, with both dims
     multiples of 16 (what float8 matmul kernels accept)."""
     rows, cols = module.weight.shape
-    return not _filtered(fqn, filter_fqns) and rows % 16 == 0 and cols % 16 == 0
+    return not filtered(fqn, filter_fqns) and rows % 16 == 0 and cols % 16 == 0
 
 
 def maybe_convert_float8(model: nn.Module, cfg) -> list[str]:
@@ -119,7 +63,7 @@ def maybe_convert_float8(model: nn.Module, cfg) -> list[str]:
     TP and FSDP); returns the converted module names."""
     if not float8_enabled(cfg):
         return []
-    f8, ao = cfg.quantize.linear.float8, _torchao_float8()
+    f8, ao = cfg.quantize.linear.float8, torchao_float8()
     config = replace(
         ao.Float8LinearConfig.from_recipe_name(f8.recipe_name),
         emulate=f8.emulate,
@@ -202,5 +146,5 @@ def float8_after_optimizer_step(cfg) -> Callable[[nn.Module], None]:
     precompute_float8_dynamic_scale_for_fsdp, the scales of every float8 weight in one
     all-reduce (instead of one per weight at its all-gather); else nothing."""
     if float8_enabled(cfg) and cfg.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp:
-        return _torchao_float8().precompute_float8_dynamic_scale_for_fsdp
+        return torchao_float8().precompute_float8_dynamic_scale_for_fsdp
     return lambda model: None

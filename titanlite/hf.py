@@ -5,7 +5,8 @@ titanlite's state-dict keys are Meta's (`layers.N.attention.wq.weight`), HF's ar
 RoPE: titanlite (like Meta) rotates interleaved pairs (2i, 2i+1) of each head; HF's rotate_half
 pairs i with i + head_dim/2. The q/k projection rows are permuted within each head so both give
 the same logits. Used by scripts/convert_checkpoint.py and by the trainer's checkpoints
-(`titanlite.checkpoint.hf`); nothing here knows about ranks.
+(`titanlite.checkpoint.hf`); nothing here knows about ranks. `args` is the llama3 family's
+ModelArgs (models/__init__.py registers `hf_name` as its HF name map).
 """
 
 import json
@@ -15,8 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from titanlite.models.llama import model as llama_model
-from titanlite.models.llama.args import ModelArgs
+from titanlite.config import ConfigError
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -78,7 +78,7 @@ def units(n_layers: int) -> list[list[str]]:
     ]
 
 
-def to_hf(sd: dict, args: ModelArgs, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def to_hf(sd: dict, args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF names and layout for whichever titanlite weights `sd` holds (a unit or the model)."""
     out = {}
     for ours, w in sd.items():
@@ -106,7 +106,7 @@ def from_hf_lazily(get, cfg: dict, dtype: torch.dtype) -> dict[str, tuple[str, C
     return out
 
 
-def hf_config(args: ModelArgs, dtype: str) -> dict:
+def hf_config(args, dtype: str) -> dict:
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -128,20 +128,14 @@ def hf_config(args: ModelArgs, dtype: str) -> dict:
         "torch_dtype": dtype,
     }
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.use_scaled_rope:
-        cfg["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": llama_model.ROPE_SCALE_FACTOR,
-            "low_freq_factor": llama_model.ROPE_LOW_FREQ_FACTOR,
-            "high_freq_factor": llama_model.ROPE_HIGH_FREQ_FACTOR,
-            "original_max_position_embeddings": llama_model.ROPE_OLD_CONTEXT_LEN,
-        }
+    if args.rope_scaling:
+        cfg["rope_scaling"] = args.rope_scaling
         rope = {**cfg["rope_scaling"], "rope_theta": args.rope_theta}
     cfg["rope_parameters"] = rope  # transformers >= 5 reads this; older ones the two keys above
     return cfg
 
 
-def write_hf_config(out: Path, args: ModelArgs, dtype: str) -> None:
+def write_hf_config(out: Path, args, dtype: str) -> None:
     (out / CONFIG).write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
 
 
@@ -149,10 +143,10 @@ def read_hf_config(hf_dir: Path) -> dict:
     """config.json of a HF Llama folder that titanlite can load (ValueError otherwise)."""
     cfg_file = hf_dir / CONFIG
     if not cfg_file.is_file() or not any(hf_dir.glob("*.safetensors")):
-        raise ValueError(f"{hf_dir} needs config.json and *.safetensors (a HF Llama checkpoint)")
+        raise ConfigError(f"{hf_dir} needs config.json and *.safetensors (a HF Llama checkpoint)")
     cfg = json.loads(cfg_file.read_text())
     if cfg.get("tie_word_embeddings"):
-        raise ValueError(
+        raise ConfigError(
             f"{hf_dir}: tied embeddings are not supported (titanlite's output is untied)"
         )
     return cfg
@@ -169,7 +163,7 @@ def hf_files(hf_dir: Path) -> dict[str, Path]:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in files:
-                    raise ValueError(f"{hf_dir}: {name} is in both {files[name].name} and "
+                    raise ConfigError(f"{hf_dir}: {name} is in both {files[name].name} and "
                                      f"{f.name} (and there is no index to choose)")  # fmt: skip
                 files[name] = f
     return files

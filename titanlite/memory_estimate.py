@@ -6,10 +6,11 @@ peak = params + grads + optimizer states                      (persistent, shard
 
 Assumptions (each one is a place the estimate can be wrong; docs/performance.md has the measured
 error):
-- Parameters are counted on a meta-device Transformer, so the count is exact. Master weights, grads
-  and the two AdamW states are fp32. FSDP shards every parameter 1/(dp_shard x cp) (dim-0
-  padding ignored); replication (HSDP) does not shard. TP splits the block linears, the
-  embedding and the output projection 1/tp; the RMSNorm weights stay replicated.
+- Parameters are counted on the meta-built model (its family from the model hook), so the count
+  is exact. Master weights, grads and the two AdamW states are fp32. FSDP shards every
+  parameter 1/(dp_shard x cp) (dim-0 padding ignored); replication (HSDP) does not shard. TP
+  splits the block linears, the embedding and the output projection 1/tp; the RMSNorm weights
+  stay replicated.
 - Grads are counted whole for the whole step (an upper bound: they appear as backward frees the
   activations).
 - FSDP keeps the root's unsharded param_dtype weights (embedding, final norm, output) for the
@@ -54,8 +55,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from titanlite.models import get_family
 from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.pipeline import SINGLE_STAGE, plan_pipeline
 
 GIB = 2**30
@@ -79,6 +80,7 @@ class MemorySetup:
     model_args: ModelArgs
     local_batch_size: int
     seq_len: int
+    model_name: str = "llama3"  # model.name: the family whose model is counted
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
@@ -174,11 +176,11 @@ class MemoryEstimate:
 _ROOT_PARTS = {"tok_embeddings": "embedding", "output": "output", "norm": "norm"}
 
 
-def param_counts(args: ModelArgs) -> dict[str, int]:
+def param_counts(args: ModelArgs, model_name: str = "llama3") -> dict[str, int]:
     """Element counts of the meta-built model: 'embedding', 'output', 'norm' (the final one),
     and of one block 'block_split' (what TP splits) and 'block_replicated' (its norms); 'total'."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = get_family(model_name).model_cls(args)
     counts = dict.fromkeys(("embedding", "output", "norm", "block_split", "block_replicated"), 0)
     for name, p in model.named_parameters():
         if name.startswith("layers.0."):
@@ -288,7 +290,7 @@ def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
 
 
 def estimate(s: MemorySetup) -> MemoryEstimate:
-    counts = param_counts(s.model_args)
+    counts = param_counts(s.model_args, s.model_name)
     local = _local_params(counts, s)
     cuda = s.device == "cuda"
     frag = DEFAULT_CUDA_FRAGMENTATION if cuda else 1.0
@@ -316,25 +318,19 @@ def estimate_stages(s: MemorySetup) -> list[MemoryEstimate]:
     return [estimate(replace(s, pp_rank=r)) for r in range(s.pp)]
 
 
-def setup_from_config(cfg, world_size: int, vocab_size: int, device: str = "cuda", rank: int = 0):
-    """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`), for the
-    pipeline rank of global `rank` (pipeline stages are the mesh's outermost dim)."""
-    from titanlite.models.llama.args import get_model_args
+def setup_from_config(
+    cfg, world_size: int, model_args: ModelArgs, device: str = "cuda", rank: int = 0
+) -> MemorySetup:
+    """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`) and the run's
+    model args (titanlite.build makes them, as for training), for the pipeline rank of global
+    `rank` (pipeline stages are the mesh's outermost dim)."""
     from titanlite.parallel_dims import ParallelDims
 
-    p = cfg.parallelism
-    pd = ParallelDims(
-        p.data_parallel_replicate_degree,
-        p.data_parallel_shard_degree,
-        p.tensor_parallel_degree,
-        world_size,
-        cp=p.context_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-    )
-    t = cfg.training
-    args = get_model_args(cfg.model.flavor, vocab_size, t.seq_len, cfg.model.use_scaled_rope)
+    p, t = cfg.parallelism, cfg.training
+    pd = ParallelDims.from_config(p, world_size)
     return MemorySetup(
-        model_args=args,
+        model_args=model_args,
+        model_name=cfg.model.name,
         local_batch_size=t.local_batch_size,
         seq_len=t.seq_len,
         dp_replicate=pd.dp_replicate,

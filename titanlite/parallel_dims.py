@@ -5,7 +5,12 @@ are adjacent ranks (same host, fastest links), then CP peers (one all-gather of 
 then data parallelism; pipeline stages are the farthest apart (they only pass activations).
 """
 
+import contextlib
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanlite.config import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -32,24 +37,24 @@ class ParallelDims:
         )
         for name, value in fixed:
             if value < 1:
-                raise ValueError(f"parallelism.{name} must be >= 1, got {value}")
+                raise ConfigError(f"parallelism.{name} must be >= 1, got {value}")
         others = pp * dp_replicate * cp * tp
         if dp_shard == -1:
             if world_size % others:
-                raise ValueError(
+                raise ConfigError(
                     f"cannot infer data_parallel_shard_degree: world size {world_size} is not "
                     f"divisible by {_spelled(fixed)} = {others}; choose degrees whose product "
                     f"divides {world_size}"
                 )
             dp_shard = world_size // others
         elif dp_shard < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"parallelism.data_parallel_shard_degree must be >= 1 or -1 (infer), got {dp_shard}"
             )
         product = dp_shard * others
         if product != world_size:
             degrees = (*fixed[:2], ("data_parallel_shard_degree", dp_shard), *fixed[2:])
-            raise ValueError(
+            raise ConfigError(
                 f"{_spelled(degrees)} = {product}, but the world size is {world_size}; make the "
                 f"product equal the number of processes (or set data_parallel_shard_degree = -1 "
                 f"to infer it)"
@@ -67,6 +72,17 @@ class ParallelDims:
         self._loss_mesh: DeviceMesh | None = None
         self._fsdp_mesh: DeviceMesh | None = None
         self._counts_step_tokens: bool | None = None
+
+    @classmethod
+    def from_config(cls, parallelism_cfg, world_size: int) -> "ParallelDims":
+        """The degrees a config's [parallelism] section asks for, on `world_size` ranks: the one
+        way to build ParallelDims from a config."""
+        p = parallelism_cfg
+        return cls(
+            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+            tp=p.tensor_parallel_degree, world_size=world_size, cp=p.context_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         return (
@@ -109,7 +125,7 @@ class ParallelDims:
         n_heads = model_args.n_heads
         n_kv_heads = model_args.n_kv_heads or n_heads
         if n_heads % self.tp or n_kv_heads % self.tp:
-            raise ValueError(
+            raise ConfigError(
                 f"tensor_parallel_degree ({self.tp}) must divide both n_heads ({n_heads}) and "
                 f"n_kv_heads ({n_kv_heads}): each TP rank owns whole heads; pick a degree that "
                 f"divides {n_kv_heads}"
@@ -117,24 +133,24 @@ class ParallelDims:
         hidden = model_args.ffn_hidden_dim
         for name, size in (("dim", model_args.dim), ("ffn hidden dim", hidden)):
             if size % self.tp:
-                raise ValueError(
+                raise ConfigError(
                     f"tensor_parallel_degree ({self.tp}) must divide the model {name} ({size})"
                 )
         seq_len = model_args.max_seq_len
         if self.cp_enabled and seq_len % (2 * self.cp):
-            raise ValueError(
+            raise ConfigError(
                 f"training.seq_len ({seq_len}) must be divisible by 2 x context_parallel_degree "
                 f"({2 * self.cp}): each CP rank takes two of 2 x CP equal chunks of every "
                 f"sequence; pick a seq_len that is a multiple of {2 * self.cp}"
             )
         if self.cp_enabled and model_args.document_masking:
-            raise ValueError(
+            raise ConfigError(
                 "document masking (model.document_masking, or a *_flex_attn flavor) does not "
                 "work with context parallelism yet; turn one of them off"
             )
         if self.pp_enabled and (self.cp_enabled or model_args.document_masking):
             what = "context parallelism" if self.cp_enabled else "document masking"
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline parallelism does not work with {what} yet (later stages see hidden "
                 f"states, not the tokens their masks and splits are made from); turn one of "
                 f"them off"
@@ -216,3 +232,8 @@ class ParallelDims:
     @property
     def pp_mesh(self) -> DeviceMesh | None:
         return self._mesh()["pp"] if self.pp_enabled else None
+
+
+def loss_parallel_ctx(enabled: bool):
+    """Context for forward AND backward (CE backward on vocab-sharded logits needs it too)."""
+    return loss_parallel() if enabled else contextlib.nullcontext()

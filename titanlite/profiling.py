@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+from titanlite.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 # Profile one step after one warm-up step per profile_freq: enough for a trace, cheap elsewhere.
@@ -47,7 +49,7 @@ def maybe_enable_profiling(
     freq = profiling_cfg.profile_freq
     wait = freq - _WARMUP_STEPS - _ACTIVE_STEPS
     if wait < 0:
-        raise ValueError(
+        raise ConfigError(
             f"profiling.profile_freq={freq} is too small: the profiler needs "
             f"{_WARMUP_STEPS + _ACTIVE_STEPS} steps (warm-up + active); set it to at least that."
         )
@@ -126,7 +128,7 @@ def maybe_enable_memory_snapshot(
         yield NoOpProfiler()
         return
     if profiling_cfg.profile_freq < 1:
-        raise ValueError(
+        raise ConfigError(
             f"profiling.profile_freq={profiling_cfg.profile_freq} must be >= 1 for snapshots."
         )
     snapshot_dir = os.path.join(dump_folder, profiling_cfg.save_memory_snapshot_folder)

@@ -13,9 +13,11 @@ from conftest import TINY_TRAIN, read_jsonl, run_train, torchrun_script
 from safetensors.torch import load_file, save_file
 
 import train
+from titanlite.build import model_args_for
 from titanlite.checkpoint import MARKER
 from titanlite.checkpoint.stream import single_process_quietly
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.hf import to_hf, write_hf_config
 from titanlite.models.llama.model import Transformer
 
@@ -29,7 +31,7 @@ LAST_IN_HF = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf
 def tiny_model() -> Transformer:
     """The plain one-process model of the tiny runs' config."""
     cfg = parse_args(TINY_TRAIN)
-    return Transformer(train.model_args_for(cfg, train.build_tokenizer(cfg.model))).eval()
+    return Transformer(model_args_for(cfg, build_tokenizer(cfg.model))).eval()
 
 
 def load_dcp_model(model: Transformer, step_dir: Path) -> Transformer:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.config import resolve_global_batch
+from titanlite.checks import resolve_global_batch
 from titanlite.data.loader import build_train_loader
 from titanlite.data.sources import build_source
 from titanlite.data.store import TokenStore

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from titanlite.config import ConfigError
 from titanlite.data.tokenizer import build_tokenizer, llama3_special_tokens
 from titanlite.host import cpus_per_local_rank
 
@@ -110,7 +111,7 @@ def test_bpe_file_changed_in_place_is_reread(tmp_path):
 
 def test_missing_and_bad_files(tmp_path):
     missing = tmp_path / "nope.model"
-    with pytest.raises(FileNotFoundError, match="nope.model"):
+    with pytest.raises(ConfigError, match="nope.model"):
         build_tokenizer(cfg(tokenizer_path=str(missing)))
     bad = tmp_path / "bad.model"
     bad.write_text("this is not a rank file\n")

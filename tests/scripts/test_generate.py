@@ -12,8 +12,9 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO, TINY_TRAIN, torchrun_script
 
 import train
+from titanlite.build import model_args_for
 from titanlite.checkpoint.stream import single_process_quietly
-from titanlite.config import parse_args
+from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models.llama.args import get_model_args
 from titanlite.models.llama.model import Transformer
@@ -54,7 +55,7 @@ def argmax_tokens(config, step_dir, prompt_ids, n) -> list[int]:
     over the tokenizer's ids (the padding rows of the vocabulary are no tokens)."""
     cfg = parse_args(["--job.config_file", str(config)])
     tokenizer = build_tokenizer(cfg.model)
-    model = Transformer(train.model_args_for(cfg, tokenizer)).eval()
+    model = Transformer(model_args_for(cfg, tokenizer)).eval()
     weights = model.state_dict()
     with single_process_quietly():
         dcp.load({"model": weights}, checkpoint_id=str(step_dir), no_dist=True)

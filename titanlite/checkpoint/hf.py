@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from titanlite.checkpoint.layout import rank, world_size
 from titanlite.checkpoint.stream import single_process_quietly
+from titanlite.config import ConfigError
 from titanlite.hf import (
     from_hf_rope,
     hf_files,
@@ -58,7 +59,7 @@ def check_heads(cfg: dict, args: ModelArgs, path: Path) -> None:
         cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
     )
     if heads != (args.n_heads, args.num_kv_heads):
-        raise ValueError(
+        raise ConfigError(
             f"{path / 'config.json'} has {heads[0]} attention / {heads[1]} key-value heads, the "
             f"model {args.n_heads} / {args.num_kv_heads}: pick the matching --model.flavor"
         )

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from titanlite.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
@@ -61,10 +63,10 @@ def read_marker(path: Path) -> dict:
 def check_complete(path: Path, what: str) -> None:
     """A path explicitly asked for exists and, if it is a step folder, its save finished."""
     if not path.exists():
-        raise ValueError(f"{what}: {path} does not exist")
+        raise ConfigError(f"{what}: {path} does not exist")
     step_dir = _STEP_DIR.match(path.name)
     if step_dir and (step_dir.group(2) or not (path / MARKER).is_file()):
-        raise ValueError(
+        raise ConfigError(
             f"{what}: {path} is a partial checkpoint (its save did not finish: no {MARKER} "
             "marker); pick a complete step folder"
         )

@@ -41,7 +41,7 @@ from titanlite.checkpoint.plan import (
     read_metadata,
 )
 from titanlite.checkpoint.stream import single_process_quietly
-from titanlite.config import EXCLUDABLE
+from titanlite.config import EXCLUDABLE, ConfigError
 from titanlite.data.stream import dp_degree_changed
 from titanlite.hf import read_hf_config
 from titanlite.precision import DTYPES
@@ -351,7 +351,7 @@ class CheckpointManager:
         if mine is None:
             return None
         if meta["dp_degree"] != self.dp_degree:
-            raise ValueError(dp_degree_changed(meta["dp_degree"], self.dp_degree))
+            raise ConfigError(dp_degree_changed(meta["dp_degree"], self.dp_degree))
         key = f"dp{mine['dp_rank']}"
         # Absent: saved by a map-style run, whose global state the loader rejects with the fix.
         return key if f"dataloader_stream.{key}" in saved else None
@@ -378,7 +378,7 @@ class CheckpointManager:
                 problems.append(f"{name}: saved {tuple(md.size)}, model {tuple(t.shape)}")
         if problems:
             more = f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {path} does not match the model (wrong flavor?): "
                 f"{'; '.join(problems[:8])}{more}"
             )

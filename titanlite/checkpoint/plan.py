@@ -18,6 +18,7 @@ from titanlite.checkpoint.layout import (
     read_marker,
     scan_checkpoints,
 )
+from titanlite.config import ConfigError
 from titanlite.hf import read_hf_config
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
         complete = _resume_points(complete, ckpt_cfg.load_step)
         step = ckpt_cfg.load_step
         if step >= 0 and step not in complete:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.load_step={step}: no complete checkpoint {folder}/step-{step}; "
                 f"complete steps there: {sorted(complete)}"
             )
@@ -86,7 +87,7 @@ def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
         path, hf = Path(ckpt_cfg.initial_load_path), ckpt_cfg.initial_load_in_hf
         what = "checkpoint.initial_load_path"
         if not hf and path.is_dir() and _is_hf(path):
-            raise ValueError(
+            raise ConfigError(
                 f"{what}: {path} is a Hugging Face folder: add --checkpoint.initial_load_in_hf"
             )
         (_check_hf_dir if hf else _check_dcp_dir)(path, what)
@@ -102,7 +103,7 @@ def _resume_points(complete: dict[int, Path], load_step: int) -> dict[int, Path]
         hf = " --checkpoint.initial_load_in_hf" if read_marker(path).get("format") == "hf" else ""
         fix = f"start a run from it with --checkpoint.initial_load_path {path}{hf}"
         if step == load_step:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.load_step={step}: {path} holds only the model weights (a last "
                 f"save with checkpoint.last_save_model_only), nothing to resume; {fix}"
             )
@@ -120,7 +121,7 @@ def _check_dcp_dir(path: Path, what: str) -> None:
     if (path / ".metadata").is_file():
         return
     if _is_hf(path):
-        raise ValueError(
+        raise ConfigError(
             f"{what}: {path} is a Hugging Face checkpoint; convert it first with "
             f"`python scripts/convert_checkpoint.py hf-to-dcp {path} OUT_DIR` and load OUT_DIR"
         )
@@ -128,21 +129,21 @@ def _check_dcp_dir(path: Path, what: str) -> None:
     hint = (
         f" (it holds step folders; pick one, e.g. {path / f'step-{max(steps)}'})" if steps else ""
     )
-    raise ValueError(f"{what}: {path} is not a DCP checkpoint: no .metadata file{hint}")
+    raise ConfigError(f"{what}: {path} is not a DCP checkpoint: no .metadata file{hint}")
 
 
 def _check_hf_dir(path: Path, what: str) -> None:
     """Fail early, with the fix, when a path asked for is not a loadable Hugging Face folder."""
     check_complete(path, what)
     if (path / ".metadata").is_file():
-        raise ValueError(
+        raise ConfigError(
             f"{what}: {path} is a DCP checkpoint, not a Hugging Face folder: drop "
             "--checkpoint.initial_load_in_hf"
         )
     try:
         read_hf_config(path)
     except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def read_metadata(path: Path) -> dict:

@@ -22,7 +22,7 @@ from itertools import count, islice
 import numpy as np
 import torch
 
-from titanlite.config import DataLoader, Training, Validation
+from titanlite.config import ConfigError, DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import prepare_token_cache
 from titanlite.data.order import Microbatches, PermutedOrder, microbatch_rows
@@ -122,7 +122,7 @@ class TrainLoader:
             if sd.get(k) != mine[k]
         ]
         if bad:
-            raise ValueError(
+            raise ConfigError(
                 "cannot resume the data loader: the data order would differ ("
                 + "; ".join(bad)
                 + "). Use the same training config and data, or restart the data from its first "
@@ -137,14 +137,14 @@ class TrainLoader:
 
     def _seek(self, stream: dict | None, step: int) -> None:
         if stream is None:
-            raise ValueError(
+            raise ConfigError(
                 "cannot resume the data stream: the checkpoint holds no stream position for dp "
                 f"rank {self.dp_rank}. Restart the data from its first batch with "
                 "--checkpoint.exclude_from_loading dataloader."
             )
         saved = (stream["dp_rank"], stream["dp_degree"])
         if saved != (self.dp_rank, self.dp_degree):
-            raise ValueError(dp_degree_changed(stream["dp_degree"], self.dp_degree))
+            raise ConfigError(dp_degree_changed(stream["dp_degree"], self.dp_degree))
         if self._pending is not None and not self._pending[1].cancel():
             wait([self._pending[1]])  # it is reading on from the old position: let it finish
         self._pending = None
@@ -237,7 +237,7 @@ def _train_order(
     the permuted training split of the cache."""
     if source.streaming:
         if t.dataloader.num_workers > 0:
-            raise ValueError(
+            raise ConfigError(
                 "training.dataloader.num_workers > 0 needs a token store: a streamed source is "
                 "tokenized in order by one reader whose exact position each checkpoint saves, "
                 "which worker processes cannot share; prepare the data with "
@@ -246,7 +246,7 @@ def _train_order(
         return shard_stream(source, tokenizer, t.seq_len, t.packing, dp_rank, dp_degree), -1
     get, lo, hi = _cached_split(source, tokenizer, t, val, "train")
     if hi - lo < global_batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"the training split has {hi - lo} samples, fewer than one global batch "
             f"({global_batch_size}); use more data, a smaller seq_len or a smaller "
             "global_batch_size"
@@ -267,7 +267,7 @@ def build_train_loader(
     validation: Validation | None = None,
 ) -> TrainLoader:
     """The training loader of one dp rank. `global_batch_size` and `num_microbatches` are
-    `titanlite.config.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's;
+    `titanlite.checks.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's;
     `seed` orders the samples.
     `validation` decides what is held out (None: its defaults, the same holdout as a run with
     validation on, so switching validation on does not change the training data)."""
@@ -321,7 +321,7 @@ def build_validation_loader(
     else:
         get, lo, hi = _cached_split(source, tokenizer, t, val, "validation")
         if hi <= lo:
-            raise ValueError(
+            raise ConfigError(
                 "validation has no samples: set validation.holdout_fraction > 0 "
                 f"(now {val.holdout_fraction}) or validation.dataset_path"
             )

@@ -17,6 +17,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from titanlite.config import ConfigError
 from titanlite.data.store import TokenStore
 from titanlite.loss import IGNORE_INDEX
 
@@ -74,7 +75,7 @@ def _check_ids(tokens: np.ndarray, labels: np.ndarray, vocab_size: int) -> None:
     bad_labels = (labels >= vocab_size) | ((labels < 0) & (labels != IGNORE_INDEX))
     if bad_tokens.any() or bad_labels.any():
         values = np.unique(np.concatenate([tokens[bad_tokens], labels[bad_labels]]))
-        raise ValueError(
+        raise ConfigError(
             f"token ids {values[:8].tolist()} are outside the model's vocabulary "
             f"[0, vocab_size={vocab_size}) (labels may also be {IGNORE_INDEX}); the tokenizer's "
             "vocabulary is likely larger than the model's vocab_size"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titanlite.config import ConfigError
 from titanlite.data.store import MANIFEST, is_store
 
 STDLIB_EXCLUDED_DIRS = frozenset(
@@ -114,7 +115,7 @@ def stdlib_files() -> tuple[Path, list[Path]]:
 def python_stdlib_source() -> TextSource:
     root, files = stdlib_files()
     if not files:
-        raise ValueError(f"no Python standard library sources found under {root}")
+        raise ConfigError(f"no Python standard library sources found under {root}")
 
     def documents():
         for f in files:
@@ -140,7 +141,7 @@ def expand_paths(dataset_path: str) -> list[Path]:
         else:
             matched = glob.glob(pattern, recursive=True)
         if not matched:
-            raise ValueError(f"dataset_path {pattern!r} matches no data files")
+            raise ConfigError(f"dataset_path {pattern!r} matches no data files")
         files.update(Path(m).resolve() for m in matched)
     return sorted(files)
 
@@ -156,18 +157,18 @@ def _pick_builder(files: list[Path]) -> str:
     builders = {f: _builder(f) for f in files}
     unknown = [str(f) for f, b in builders.items() if b is None]
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"cannot read {unknown[:3]}: supported extensions are {sorted(BUILDERS)} "
             f"(optionally compressed {COMPRESSION})"
         )
     kinds = set(builders.values())
     if len(kinds) > 1:
-        raise ValueError(f"dataset_path mixes file formats {sorted(kinds)}; use one format")
+        raise ConfigError(f"dataset_path mixes file formats {sorted(kinds)}; use one format")
     return kinds.pop()
 
 
-def _missing_column(where: str, text_column: str, columns: list) -> ValueError:
-    return ValueError(
+def _missing_column(where: str, text_column: str, columns: list) -> ConfigError:
+    return ConfigError(
         f"{where} has no column {text_column!r}; available columns: {columns}. "
         "Set training.dataset_text_column to one of them."
     )
@@ -215,7 +216,7 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
     spec = HUB_DATASETS[dataset]
     hub_split = spec.split if split == "train" else spec.validation_split
     if hub_split is None:
-        raise ValueError(
+        raise ConfigError(
             f"dataset {dataset!r} has no validation split and a stream has no end to hold out "
             "from; set validation.dataset_path to local files"
         )
@@ -235,7 +236,7 @@ def prepared_source(path: str) -> TextSource:
     manifest = json.loads((Path(path).expanduser() / MANIFEST).read_text())
 
     def documents():
-        raise ValueError(f"{path} holds prepared tokens, not text: train from it directly")
+        raise ConfigError(f"{path} holds prepared tokens, not text: train from it directly")
 
     return TextSource(
         f"prepared-{manifest['source']}", manifest["source_fingerprint"], False, documents
@@ -253,10 +254,10 @@ def build_source(
     (python_stdlib) means local files: the path is the more specific request. `streaming`
     streams local files; hub datasets are always streamed."""
     if dataset not in DATASET_CHOICES:
-        raise ValueError(f"unknown training.dataset {dataset!r}; choices: {list(DATASET_CHOICES)}")
+        raise ConfigError(f"unknown training.dataset {dataset!r}; choices: {list(DATASET_CHOICES)}")
     if is_store(dataset_path):  # prepared by scripts/prepare_data.py: wins over the dataset name
         if streaming:
-            raise ValueError(
+            raise ConfigError(
                 f"{dataset_path} holds prepared tokens, read directly from disk at any position: "
                 "drop --training.dataset_streaming (it streams text files)"
             )
@@ -266,5 +267,5 @@ def build_source(
     if dataset_path:
         return local_source(dataset_path, text_column, streaming)
     if dataset == "local":
-        raise ValueError("training.dataset 'local' needs training.dataset_path (files or globs)")
+        raise ConfigError("training.dataset 'local' needs training.dataset_path (files or globs)")
     return python_stdlib_source()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from titanlite.config import ConfigError
+
 STORE_FORMAT_VERSION = 2  # part of the cache key and the manifest: bump when the layout changes
 DOCS_PER_SHARD = 4096  # enough shards for a pool of workers on ~1 GB, few enough files at 1 TB
 MANIFEST = "manifest.json"
@@ -81,7 +83,7 @@ class TokenStore:
         self.built = built  # True if this call tokenized; False if it reused an existing store
         self.meta = json.loads((self.path / MANIFEST).read_text())
         if self.meta.get("version") != STORE_FORMAT_VERSION:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.path} holds token store format {self.meta.get('version')}, this "
                 f"titanlite reads format {STORE_FORMAT_VERSION}: prepare it again with "
                 "scripts/prepare_data.py"
@@ -129,7 +131,7 @@ def open_prepared(path: str, tokenizer) -> TokenStore:
     """A store named by training.dataset_path, checked against this run's tokenizer."""
     store = TokenStore(Path(path).expanduser())
     if store.meta["tokenizer"] != tokenizer.identity:
-        raise ValueError(
+        raise ConfigError(
             f"{path} was prepared with tokenizer {store.meta['tokenizer']!r} but this run's "
             f"tokenizer is {tokenizer.identity!r}: set model.tokenizer / model.tokenizer_path / "
             "model.vocab_limit to the prepared one, or prepare the data again with "

@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from itertools import islice
 from pathlib import Path
 
+from titanlite.config import ConfigError
 from titanlite.data.sources import TextSource
 from titanlite.data.store import (
     DOCS_PER_SHARD,
@@ -168,7 +169,7 @@ def build_store(
         counts[k] = (docs, tokens)
         report(docs, tokens, False)
     if not counts:
-        raise ValueError(f"data source {source.name!r} produced no documents")
+        raise ConfigError(f"data source {source.name!r} produced no documents")
     shards = [
         dict(zip(("tokens", "offsets"), shard_files(k)), num_docs=d, num_tokens=t)
         for k, (d, t) in sorted(counts.items())

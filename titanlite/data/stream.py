@@ -22,6 +22,7 @@ from itertools import islice
 
 import numpy as np
 
+from titanlite.config import ConfigError
 from titanlite.data.packing import Packer
 from titanlite.data.sources import DocumentStream, TextSource
 
@@ -88,7 +89,7 @@ class ShardStream:
                 made += 1
                 yield sample
             if from_start and made == 0:
-                raise ValueError(
+                raise ConfigError(
                     "this data-parallel rank's share of the data stream produced no samples; "
                     "use more documents (or files) than data-parallel ranks"
                 )

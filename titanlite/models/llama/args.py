@@ -2,6 +2,15 @@
 
 from dataclasses import dataclass, replace
 
+from titanlite.config import ConfigError
+from titanlite.models import pad_vocab  # noqa: F401 (imported from here by scripts and tests)
+
+# Llama 3.1 RoPE scaling constants, as in Meta's reference apply_scaling.
+ROPE_SCALE_FACTOR = 8.0
+ROPE_LOW_FREQ_FACTOR = 1.0
+ROPE_HIGH_FREQ_FACTOR = 4.0
+ROPE_OLD_CONTEXT_LEN = 8192
+
 
 @dataclass
 class ModelArgs:
@@ -27,22 +36,35 @@ class ModelArgs:
 
     def __post_init__(self):
         if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got dim/n_heads = {self.head_dim}")
+            raise ConfigError(f"RoPE needs an even head_dim, got dim/n_heads = {self.head_dim}")
         if self.document_masking and min(self.bos_id, self.eos_id) < 0:
-            raise ValueError("document_masking needs the tokenizer's bos_id and eos_id")
+            raise ConfigError("document_masking needs the tokenizer's bos_id and eos_id")
         if self.attention_backend not in ("sdpa", "flex"):
-            raise ValueError(f"attention_backend is sdpa or flex, not {self.attention_backend}")
+            raise ConfigError(f"attention_backend is sdpa or flex, not {self.attention_backend}")
         if self.attention_backend == "flex" and not self.document_masking:
-            raise ValueError(
+            raise ConfigError(
                 "attention_backend flex only applies document masks; without document masking "
                 "the plain causal SDPA kernel is the fast one: use sdpa"
             )
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        """Llama 3.1's RoPE frequency scaling, named as in HF's config.json (None: not scaled)."""
+        if not self.use_scaled_rope:
+            return None
+        return {
+            "rope_type": "llama3",
+            "factor": ROPE_SCALE_FACTOR,
+            "low_freq_factor": ROPE_LOW_FREQ_FACTOR,
+            "high_freq_factor": ROPE_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": ROPE_OLD_CONTEXT_LEN,
+        }
 
     @property
     def head_dim(self) -> int:
@@ -85,15 +107,6 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
 }  # fmt: skip
 
 
-def pad_vocab(n: int, multiple: int = 128) -> int:
-    """Round the tokenizer size up so the embedding/output shapes shard and tile evenly."""
-    if n < 1 or multiple < 1:
-        raise ValueError(
-            f"pad_vocab needs n >= 1 and multiple >= 1, got n={n}, multiple={multiple}"
-        )
-    return multiple * ((n + multiple - 1) // multiple)
-
-
 # torchtitan's name for a flavor with document masking (it uses flex attention for it).
 DOCUMENT_MASKING_SUFFIX = "_flex_attn"
 
@@ -108,7 +121,7 @@ def get_model_args(
     """
     name = flavor.removesuffix(DOCUMENT_MASKING_SUFFIX)
     if name not in LLAMA3_FLAVORS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown model flavor {flavor!r}; available: {', '.join(LLAMA3_FLAVORS)}, each also "
             f"with {DOCUMENT_MASKING_SUFFIX} (document masking)"
         )

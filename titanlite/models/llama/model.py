@@ -15,14 +15,14 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanlite.loss import cross_entropy_sum, linear_cross_entropy_sum
-from titanlite.models.llama.args import ModelArgs
+from titanlite.models.llama.args import (
+    ROPE_HIGH_FREQ_FACTOR,
+    ROPE_LOW_FREQ_FACTOR,
+    ROPE_OLD_CONTEXT_LEN,
+    ROPE_SCALE_FACTOR,
+    ModelArgs,
+)
 from titanlite.models.tiled_init import ParamInit, fill_
-
-# Llama 3.1 RoPE scaling constants, as in Meta's reference apply_scaling.
-ROPE_SCALE_FACTOR = 8.0
-ROPE_LOW_FREQ_FACTOR = 1.0
-ROPE_HIGH_FREQ_FACTOR = 4.0
-ROPE_OLD_CONTEXT_LEN = 8192
 
 
 def rope_frequencies(head_dim: int, theta: float, scaled: bool) -> torch.Tensor:

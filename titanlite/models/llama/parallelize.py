@@ -7,7 +7,6 @@ block AC around it: see apply_ac), FSDP last so it shards the TP DTensors over t
 (x CP) mesh (torchtitan order).
 """
 
-import contextlib
 from functools import partial
 
 import torch
@@ -27,7 +26,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -88,11 +86,6 @@ def parallelize_llama(
             pipelined=parallel_dims.pp_enabled,
         )
     return model
-
-
-def loss_parallel_ctx(enabled: bool):
-    """Context for forward AND backward (CE backward on vocab-sharded logits needs it too)."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_logits: bool) -> None:

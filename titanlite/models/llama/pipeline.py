@@ -21,6 +21,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 from torch.distributed.tensor import DTensor, Shard
 
+from titanlite.config import ConfigError
+
 # Schedules a user can pick, by torch's names. Looped: rank r runs stages r, r + pp, ...;
 # V-shaped: rank r runs stages r and 2 pp - 1 - r (the first and last stage on rank 0).
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -52,7 +54,7 @@ def canonical_schedule(name: str) -> str:
     for known in SCHEDULES:
         if known.lower() == name.lower():
             return known
-    raise ValueError(
+    raise ConfigError(
         f"parallelism.pipeline_parallel_schedule {name!r} is not a known schedule; "
         f"choose one of {', '.join(SCHEDULES)}"
     )
@@ -71,7 +73,7 @@ def plan_pipeline(n_layers: int, pp: int, local_batch_size: int, p) -> PipelineP
     if p.pipeline_parallel_layers_per_stage:
         num_stages = math.ceil(units / p.pipeline_parallel_layers_per_stage)
         if num_stages % pp:
-            raise ValueError(
+            raise ConfigError(
                 f"{n_layers} layers + {first} + {last} at pipeline_parallel_layers_per_stage "
                 f"{p.pipeline_parallel_layers_per_stage} make {num_stages} stages, not a multiple "
                 f"of pipeline_parallel_degree {pp}; pick layers_per_stage so that they are"
@@ -81,13 +83,13 @@ def plan_pipeline(n_layers: int, pp: int, local_batch_size: int, p) -> PipelineP
         per_rank = 1 if schedule in SINGLE_STAGE else 2
         num_stages = per_rank * pp
     if schedule in SINGLE_STAGE and per_rank != 1:
-        raise ValueError(
+        raise ConfigError(
             f"{schedule} runs one stage per rank, but the split gives {per_rank}; use a "
             f"multi-stage schedule ({', '.join(LOOPED + V_SHAPED)}) or more layers per stage"
         )
     if schedule not in SINGLE_STAGE and per_rank < 2 or schedule in V_SHAPED and per_rank != 2:
         need = "exactly 2" if schedule in V_SHAPED else "at least 2"
-        raise ValueError(
+        raise ConfigError(
             f"{schedule} needs {need} stages per rank, but the split gives {per_rank}; change "
             f"pipeline_parallel_layers_per_stage (0 derives it) or pick a one-stage schedule"
         )
@@ -110,7 +112,7 @@ def split_layers(n_layers: int, num_stages: int, first: int, last: int) -> tuple
     sizes[0] -= first
     sizes[-1] -= last
     if min(sizes) < 0 or any(s == 0 for s in sizes[1:-1]):
-        raise ValueError(
+        raise ConfigError(
             f"{n_layers} layers cannot be split into {num_stages} pipeline stages with the first "
             f"stage {first} and the last {last} layers short (sizes {sizes}); use fewer stages "
             f"(pipeline_parallel_degree, layers_per_stage) or smaller *_stage_less_layers"
@@ -122,7 +124,7 @@ def split_layers(n_layers: int, num_stages: int, first: int, last: int) -> tuple
 def _microbatches(schedule, pp, num_stages, local_batch_size, p) -> int:
     mb = p.pipeline_parallel_microbatch_size
     if local_batch_size % mb:
-        raise ValueError(
+        raise ConfigError(
             f"training.local_batch_size ({local_batch_size}) must be a multiple of "
             f"parallelism.pipeline_parallel_microbatch_size ({mb})"
         )
@@ -131,7 +133,7 @@ def _microbatches(schedule, pp, num_stages, local_batch_size, p) -> int:
     least = 1 if schedule == "GPipe" else num_stages if schedule in V_SHAPED else pp
     if n < least or schedule in LOOPED and n % pp:
         need = f"a multiple of {pp}" if schedule in LOOPED else f"at least {least}"
-        raise ValueError(
+        raise ConfigError(
             f"{schedule} over {num_stages} stages needs {need} microbatches per step, but "
             f"local_batch_size {local_batch_size} / pipeline_parallel_microbatch_size {mb} = {n}; "
             f"raise local_batch_size or lower the microbatch size"

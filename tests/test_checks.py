@@ -1,0 +1,77 @@
+"""titanlite/checks.py: the checks across options (run by parse_args, and with the world size by
+check_job), each one ConfigError that names the fix; ParallelDims built from the config."""
+
+import pytest
+
+from titanlite.checks import check_job, resolve_global_batch
+from titanlite.config import ConfigError, Parallelism, Training
+from titanlite.config_parse import parse_args
+from titanlite.parallel_dims import ParallelDims
+
+
+def error(argv):
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--checkpoint.load_step", "3"], "needs --checkpoint.enable"),
+        (["--lr_scheduler.decay_ratio", "1.5"], "decay_ratio must be in [0, 1], or -1"),
+        (["--optimizer.name", "SGD"], "AdamW"),
+        (
+            ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+             "--checkpoint.initial_load_path", "x"],
+            "cannot be combined",
+        ),
+        (
+            ["--activation_checkpoint.mode", "selective",
+             "--activation_checkpoint.selective_ac_option", "0"],
+            "'op' or a positive integer",
+        ),
+        (["--training.dataset_streaming"], "set training.dataset_path"),
+        (
+            ["--training.dataset_streaming", "--training.dataset_path", "x.jsonl",
+             "--validation.enable"],
+            "needs validation.dataset_path",
+        ),
+    ],
+)  # fmt: skip
+def test_options_that_contradict_each_other(argv, expected):
+    assert expected in error(argv)
+
+
+@pytest.mark.parametrize(
+    "local, global_, dp, expected",
+    [(4, -1, 2, (8, 1)), (2, 16, 2, (16, 4)), (8, 8, 1, (8, 1))],
+)
+def test_global_batch_resolves_to_whole_microbatches(local, global_, dp, expected):
+    training = Training(local_batch_size=local, global_batch_size=global_)
+    assert resolve_global_batch(training, dp) == expected
+
+
+@pytest.mark.parametrize("global_", [6, 0, -2])
+def test_global_batch_that_does_not_split_names_the_fix(global_):
+    training = Training(local_batch_size=2, global_batch_size=global_)
+    with pytest.raises(ConfigError, match=r"local_batch_size \(2\) x data-parallel degree \(2\)"):
+        resolve_global_batch(training, 2)
+
+
+def test_parallel_dims_from_the_config_sections_degrees():
+    p = Parallelism(data_parallel_replicate_degree=2, tensor_parallel_degree=2)
+    p.pipeline_parallel_degree = 2
+    pd = ParallelDims.from_config(p, world_size=16)
+    assert (pd.pp, pd.dp_replicate, pd.dp_shard, pd.cp, pd.tp) == (2, 2, 2, 1, 2)
+
+
+def test_check_job_resolves_the_layout_and_refuses_a_world_it_does_not_fit():
+    cfg = parse_args(["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"])
+    cfg.training.local_batch_size, cfg.training.global_batch_size = 2, 8
+    job = check_job(cfg, world_size=2)
+    assert (job.parallel_dims.dp_shard, job.global_batch_size, job.num_microbatches) == (2, 8, 2)
+    assert job.model_args.vocab_size == 640 and job.pipeline is None  # 512 + specials, padded
+    cfg.parallelism.tensor_parallel_degree = 3
+    with pytest.raises(ConfigError, match="world size 2"):
+        check_job(cfg, world_size=2)

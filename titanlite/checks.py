@@ -1,0 +1,270 @@
+"""Every check across options, before anything is built: what a job can get wrong that needs no
+data, weights or device (degrees against the world size, the model's shapes against TP, the batch
+arithmetic), and the few that need the device."""
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from titanlite.build import model_args_for
+from titanlite.config import Checkpoint, ConfigError, JobConfig, Optimizer, Training
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
+from titanlite.models import get_family
+from titanlite.models.llama.pipeline import PipelinePlan, canonical_schedule, plan_pipeline
+from titanlite.parallel_dims import ParallelDims
+
+
+def check_options(cfg: JobConfig) -> None:
+    """Checks across options that need no world size (parse_args runs them; single options are
+    checked as they are read)."""
+    get_family(cfg.model.name)  # a registered model family
+    ckpt, ac = cfg.checkpoint, cfg.activation_checkpoint
+    if ckpt.load_step >= 0 and not ckpt.enable:
+        raise ConfigError(
+            f"--checkpoint.load_step {ckpt.load_step} needs --checkpoint.enable (resuming reads "
+            "the run's own checkpoint folder)"
+        )
+    _check_hf_options(ckpt)
+    if ckpt.create_seed_checkpoint and (ckpt.initial_load_path or ckpt.load_step >= 0):
+        raise ConfigError(
+            "--checkpoint.create_seed_checkpoint writes fresh weights; it cannot be combined with "
+            "checkpoint.initial_load_path or checkpoint.load_step"
+        )
+    comm = cfg.comm
+    if comm.mode == "fake_backend" and not comm.fake_rank < comm.fake_world_size:
+        raise ConfigError(
+            f"--comm.mode fake_backend plays rank comm.fake_rank ({comm.fake_rank}) of "
+            f"comm.fake_world_size ({comm.fake_world_size}) ranks: set --comm.fake_world_size N "
+            "(the job's GPU count) and a rank below it"
+        )
+    if comm.mode == "default" and (comm.fake_world_size or comm.fake_rank):
+        raise ConfigError(
+            "comm.fake_world_size / comm.fake_rank only apply to a dry run: add "
+            "--comm.mode fake_backend"
+        )
+    ratio = cfg.lr_scheduler.decay_ratio
+    if ratio != -1 and not 0 <= ratio <= 1:
+        raise ConfigError(
+            f"lr_scheduler.decay_ratio must be in [0, 1], or -1 for all steps after warmup; "
+            f"got {ratio}"
+        )
+    t, val = cfg.training, cfg.validation
+    streams_local = t.dataset_streaming and t.dataset in ("python_stdlib", "local")
+    if streams_local and not t.dataset_path:
+        raise ConfigError(
+            "--training.dataset_streaming streams local files: set training.dataset_path (hub "
+            "datasets are always streamed; python_stdlib is tokenized into the cache)"
+        )
+    if streams_local and val.enable and not val.dataset_path:
+        raise ConfigError(
+            "validation of a streamed training.dataset_path needs validation.dataset_path: a "
+            "stream has no end to hold out from"
+        )
+    dl = t.dataloader
+    if dl.num_workers == 0 and (dl.persistent_workers or dl.prefetch_factor):
+        raise ConfigError(  # torch's DataLoader refuses them too without workers
+            "training.dataloader.persistent_workers and prefetch_factor apply to worker "
+            "processes: set --training.dataloader.num_workers N (N > 0) or leave them unset"
+        )
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
+            f"(checkpoint every Nth block), got {option!r}"
+        )
+    _check_early_step(cfg.optimizer, t)
+
+
+def _check_early_step(optimizer: Optimizer, t: Training) -> None:
+    """A parameter stepped in backward is stepped before the other gradients exist: nothing
+    that needs the whole step's gradients can come first (accumulation: check_early_step_batch)."""
+    if not optimizer.early_step_in_backward:
+        return
+    if t.max_norm > 0:
+        raise ConfigError(
+            "--optimizer.early_step_in_backward steps each parameter before the other gradients "
+            "exist, so the global norm that clipping needs is not known yet: set "
+            "--training.max_norm 0"
+        )
+    if t.on_nonfinite == "skip":
+        raise ConfigError(
+            "--optimizer.early_step_in_backward has stepped every parameter by the time a "
+            "non-finite gradient norm is known, so the step cannot be skipped: use "
+            "--training.on_nonfinite stop"
+        )
+
+
+def _check_hf_options(ckpt: Checkpoint) -> None:
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
+        raise ConfigError(
+            "--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path (the folder "
+            "with config.json and *.safetensors)"
+        )
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
+        raise ConfigError(
+            "a Hugging Face folder holds only model weights: --checkpoint.initial_load_in_hf "
+            "needs checkpoint.initial_load_model_only = true"
+        )
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+        raise ConfigError(
+            "--checkpoint.last_save_in_hf writes only the model weights (the HF format has no "
+            "optimizer or data state): add --checkpoint.last_save_model_only"
+        )
+    if ckpt.last_save_model_only and not ckpt.enable:
+        raise ConfigError(
+            "--checkpoint.last_save_model_only shapes the last checkpoint: add --checkpoint.enable"
+        )
+
+
+def resolve_global_batch(training: Training, dp_degree: int) -> tuple[int, int]:
+    """(global batch size, microbatches per rank) for this data-parallel degree.
+
+    global_batch_size -1 means one microbatch of local_batch_size rows on every dp rank; any other
+    value must split evenly into local_batch_size-row microbatches on every dp rank.
+    """
+    lb = training.local_batch_size
+    per_step = lb * dp_degree  # rows one microbatch on every dp rank covers
+    g = per_step if training.global_batch_size == -1 else training.global_batch_size
+    if g <= 0 or g % per_step:
+        nearest = max(1, round(g / per_step)) * per_step
+        raise ConfigError(
+            f"training.global_batch_size ({g}) must be a positive multiple of "
+            f"training.local_batch_size ({lb}) x data-parallel degree ({dp_degree}) = {per_step}; "
+            f"e.g. {nearest}, or -1 for {per_step}"
+        )
+    return g, g // per_step
+
+
+def check_early_step_batch(optimizer: Optimizer, training: Training, dp_degree: int) -> None:
+    """optimizer.early_step_in_backward steps in every backward: a step must be one microbatch."""
+    g, num_microbatches = resolve_global_batch(training, dp_degree)
+    if optimizer.early_step_in_backward and num_microbatches > 1:
+        raise ConfigError(
+            "--optimizer.early_step_in_backward steps in every backward, but a step here is "
+            f"{num_microbatches} microbatches per rank (gradient accumulation): set "
+            f"--training.local_batch_size {g // dp_degree} (global batch {g} / data-parallel "
+            f"degree {dp_degree}) for one"
+        )
+
+
+class JobLayout(NamedTuple):
+    parallel_dims: ParallelDims
+    tokenizer: object
+    model_args: object  # the model family's args
+    global_batch_size: int
+    num_microbatches: int
+    pipeline: PipelinePlan | None
+
+
+def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
+    """What a config can get wrong that needs no data, weights or device: degrees against the
+    world size, the model's shapes against TP, the batch arithmetic."""
+    p, t = cfg.parallelism, cfg.training
+    pd = ParallelDims.from_config(p, world_size)
+    tokenizer = build_tokenizer(cfg.model)
+    args = model_args_for(cfg, tokenizer)
+    pd.validate_model(args)
+    global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
+    check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
+    check_float8(cfg, pd)
+    canonical_schedule(p.pipeline_parallel_schedule)  # a typo fails with PP off too
+    pipeline = None
+    if pd.pp_enabled:
+        check_pipeline_options(cfg)
+        pipeline = plan_pipeline(args.n_layers, pd.pp, t.local_batch_size, p)
+    return JobLayout(pd, tokenizer, args, global_batch_size, num_microbatches, pipeline)
+
+
+def check_pipeline_options(cfg: JobConfig) -> None:
+    """Options whose mechanics the pipeline schedule takes over, refused with the fix."""
+    t, val = cfg.training, cfg.validation
+    refused = {
+        "optimizer.early_step_in_backward": cfg.optimizer.early_step_in_backward,
+        "training.enable_cpu_offload": t.enable_cpu_offload,
+        "training.accumulation_sync last (each schedule step reduces its gradients)": (
+            t.accumulation_sync == "last"
+        ),
+        "validation.local_batch_size other than training's (the schedule's microbatches)": (
+            val.enable and val.local_batch_size not in (-1, t.local_batch_size)
+        ),
+    }
+    for what, on in refused.items():
+        if on:
+            raise ConfigError(f"pipeline parallelism does not support {what}; turn it off")
+
+
+def check_float8(cfg, parallel_dims) -> None:
+    """What a float8 config can get wrong that needs no device (config `cfg`: the JobConfig)."""
+    if not float8_enabled(cfg):
+        return
+    f8 = cfg.quantize.linear.float8
+    torchao_float8()
+    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+        raise ConfigError(
+            "quantize.linear.float8.enable_fsdp_float8_all_gather needs one scale per weight: "
+            f"set --quantize.linear.float8.recipe_name tensorwise (got {f8.recipe_name!r})"
+        )
+    if f8.enable_fsdp_float8_all_gather and not parallel_dims.fsdp_enabled:
+        raise ConfigError(
+            "quantize.linear.float8.enable_fsdp_float8_all_gather casts FSDP's weight "
+            f"all-gather, but this layout ({parallel_dims}) has no FSDP: add data parallelism "
+            "or leave it off"
+        )
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp precomputes the "
+            "scales of the float8 weight all-gather: add "
+            "--quantize.linear.float8.enable_fsdp_float8_all_gather"
+        )
+    if f8.emulate and cfg.compile.enable:
+        raise ConfigError(
+            "quantize.linear.float8.emulate runs in eager mode only (torchao): drop "
+            "--compile.enable, or drop emulate on a GPU of CUDA capability 8.9+"
+        )
+    if cfg.loss.chunk_tokens and not filtered("output", f8.filter_fqns):
+        raise ConfigError(
+            "the chunked loss (loss.chunk_tokens) reads output.weight directly, so a float8 "
+            "output layer would run in high precision there: keep 'output' in "
+            "quantize.linear.float8.filter_fqns or set --loss.chunk_tokens 0"
+        )
+
+
+def check_float8_device(cfg, device: torch.device) -> None:
+    """Float8 matmuls need CUDA capability 8.9+ (Ada, Hopper, Blackwell) unless emulated. Not
+    checked by the dry run, whose CPU plays the job's GPUs."""
+    if not float8_enabled(cfg) or cfg.quantize.linear.float8.emulate:
+        return
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= (8, 9):
+            return
+        where = f"a GPU of CUDA capability {capability[0]}.{capability[1]}"
+    else:
+        where = device.type
+    raise ConfigError(
+        f"float8 matmuls need a GPU of CUDA capability 8.9 or newer; this run is on {where}: "
+        "add --quantize.linear.float8.emulate (same numerics with ordinary matmuls, slower: "
+        f"for testing) or drop {FLOAT8} from model.converters"
+    )
+
+
+def check_attention_device(model_args, device: torch.device) -> None:
+    if model_args.attention_backend == "flex" and device.type == "cpu":
+        raise ConfigError(
+            "model.attention_backend flex cannot train on CPU: torch has no CPU backward for "
+            "flex attention; use sdpa (the same mask, dense) or auto"
+        )
+
+
+def check_single_process(cfg: JobConfig) -> None:
+    """The dry run and the seed checkpoint are one process's work, whatever the target world."""
+    what = "--comm.mode fake_backend" if cfg.comm.mode == "fake_backend" else (
+        "--checkpoint.create_seed_checkpoint" if cfg.checkpoint.create_seed_checkpoint else None
+    )  # fmt: skip
+    if what and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ConfigError(
+            f"{what} runs in a single process: use plain `python train.py`, not torchrun "
+            "(the dry run plays the world given by --comm.fake_world_size)"
+        )
