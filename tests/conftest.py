@@ -102,9 +102,10 @@ def torchrun_script(script, *args, nproc=4, timeout=600):
 
 def train_many(jobs: list, nproc: int, timeout=900):
     """Several train.py jobs (argument lists; or {"copy": [src, dst]} between them) one after
-    another in one process, or one torchrun launch of `nproc` ranks (tests/train_many.py)."""
-    return torchrun_script(REPO / "tests" / "integration" / "train_many.py", json.dumps(jobs, default=str),
-                           nproc=nproc, timeout=timeout)  # fmt: skip
+    another in one process, or one torchrun launch of `nproc` ranks (tests/integration/
+    train_many.py)."""
+    script = REPO / "tests" / "integration" / "train_many.py"
+    return torchrun_script(script, json.dumps(jobs), nproc=nproc, timeout=timeout)
 
 
 def free_port() -> int:

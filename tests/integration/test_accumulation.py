@@ -7,13 +7,9 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import read_jsonl, run_train
+from conftest import read_jsonl, train_many
+from test_accumulation import rel
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-import train
-from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
 
 STEPS = 3
 SEQ_LEN = 64
@@ -89,10 +85,10 @@ def corpus(tmp_path_factory):
     return path
 
 
-def run(corpus, dump, split, sync):
-    """One run: (losses, grad norms) per step and the final weights."""
-    ranks, rows, extra = SPLITS[split]
-    args = [
+def split_args(corpus, split, sync):
+    """train.py's arguments for one split of the global batch."""
+    _, rows, extra = SPLITS[split]
+    return [
         "--job.config_file", "debug_model.toml",
         "--model.vocab_limit", "512",
         "--training.dataset", "local",
@@ -115,10 +111,26 @@ def run(corpus, dump, split, sync):
         "--no-metrics.enable_tensorboard",
         "--checkpoint.enable",
         "--checkpoint.interval", "1000",  # only the last step is saved
-        "--job.dump_folder", str(dump),
         *extra,
     ]  # fmt: skip
-    run_train(args, nproc=ranks)
+
+
+@pytest.fixture(scope="module")
+def dumps(corpus, tmp_path_factory):
+    """Every case's dump folder: the cases of each world size run one after another in one
+    process or one torchrun launch."""
+    out = tmp_path_factory.mktemp("splits")
+    folders = {case: out / "-".join(case) for case in CASES}
+    for nproc in sorted({SPLITS[split][0] for split, _ in CASES}):
+        cases = [case for case in CASES if SPLITS[case[0]][0] == nproc]
+        jobs = [[*split_args(corpus, *case), "--job.dump_folder", str(folders[case])]
+                for case in cases]  # fmt: skip
+        train_many(jobs, nproc=nproc)
+    return folders
+
+
+def results(dump):
+    """One run's (losses, grad norms) per step and its final weights."""
     records = read_jsonl(dump / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     torch_file = dump / "final.pt"
@@ -127,29 +139,24 @@ def run(corpus, dump, split, sync):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], weights
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max abs difference relative to the reference tensor's largest magnitude."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
 def worst_rel(got: list[float], ref: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True))
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    return run(corpus, tmp_path_factory.mktemp("ref"), *CASES[0])
+def reference(dumps):
+    return results(dumps[CASES[0]])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("split, sync", CASES[1:], ids=[f"{s}-{y}" for s, y in CASES[1:]])
-def test_split_gives_same_losses_and_weights(split, sync, reference, corpus, tmp_path):
+def test_split_gives_same_losses_and_weights(split, sync, reference, dumps):
     """Tolerances derived in the comment above WEIGHT_RTOL."""
     ref_losses, ref_norms, ref_weights = reference
     # Not vacuous: the 3 steps move the loss 6% (7.28 -> 6.82) and the weights up to 7% of
     # their largest magnitude, so a wrong normalization shows far above the tolerances.
     assert ref_losses[-1] < 0.99 * ref_losses[0], ref_losses
-    losses, norms, weights = run(corpus, tmp_path, split, sync)
+    losses, norms, weights = results(dumps[split, sync])
     loss_dev, norm_dev = worst_rel(losses, ref_losses), worst_rel(norms, ref_norms)
     assert weights.keys() == ref_weights.keys()
     devs = {k: rel(weights[k], ref_weights[k]) for k in ref_weights}
@@ -161,39 +168,3 @@ def test_split_gives_same_losses_and_weights(split, sync, reference, corpus, tmp
     assert loss_dev <= LOSS_RTOL, (losses, ref_losses)
     assert norm_dev <= LOSS_RTOL, (norms, ref_norms)
     assert devs[worst] <= WEIGHT_RTOL, devs
-
-
-def naive_batch(vocab: int, gen: torch.Generator):
-    """A global batch of 4 rows, seq 16, with 16, 9, 3 and 0 target tokens (-100 elsewhere)."""
-    tokens = torch.randint(0, vocab, (4, 16), generator=gen)
-    labels = torch.randint(0, vocab, (4, 16), generator=gen)
-    for row, keep in enumerate((16, 9, 3, 0)):
-        labels[row, keep:] = -100
-    return tokens, labels
-
-
-def test_trainer_step_equals_one_mean_over_the_global_batch():
-    torch.manual_seed(0)
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=16)
-    model = Transformer(args).double()  # fp64: the two methods differ only in summation order
-    model.init_weights()
-    tokens, labels = naive_batch(args.vocab_size, torch.Generator().manual_seed(1))
-
-    # Naive: one forward over the whole batch, mean over its 28 target tokens.
-    logits = model(tokens)  # [b, s, vocab]
-    naive = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="mean")
-    naive.backward()
-    naive_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-
-    # The trainer's own step code on uneven microbatches (rows 1 | 2 | 1): sum x (1 / 28).
-    microbatches = [(tokens[:1], labels[:1]), (tokens[1:3], labels[1:3]), (tokens[3:], labels[3:])]
-    global_tokens, _ = train.count_step_tokens(microbatches, True, False, torch.device("cpu"))
-    assert global_tokens.item() == 28
-    loss_sum = train.forward_backward(model, microbatches, 1.0 / global_tokens.double())
-    trainer_loss = (loss_sum / global_tokens).item()
-
-    assert trainer_loss == pytest.approx(naive.item(), rel=1e-6)
-    for n, p in model.named_parameters():
-        worst = rel(p.grad, naive_grads[n])
-        assert worst <= 1e-6, (n, worst)
