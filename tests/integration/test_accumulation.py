@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import read_jsonl, train_many
+from conftest import TINY_TRAIN, read_jsonl, train_many
 from test_accumulation import rel
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -89,26 +89,19 @@ def split_args(corpus, split, sync):
     """train.py's arguments for one split of the global batch."""
     _, rows, extra = SPLITS[split]
     return [
-        "--job.config_file", "debug_model.toml",
-        "--model.vocab_limit", "512",
+        *TINY_TRAIN,  # a global batch of 8 rows, fp32
         "--training.dataset", "local",
         "--training.dataset_path", str(corpus),
         "--no-training.packing",
         "--training.seq_len", str(SEQ_LEN),
         "--training.local_batch_size", str(rows),
-        "--training.global_batch_size", "8",
         "--training.steps", str(STEPS),
         "--training.accumulation_sync", sync,
-        "--training.mixed_precision_param", "float32",
         # Lipschitz in the gradient and scale-sensitive (see the tolerances above).
         "--optimizer.lr", str(LR),
         "--optimizer.eps", str(ADAM_EPS),
         "--optimizer.weight_decay", "0",
         "--training.max_norm", "0",  # measure the grad norm, never clip
-        "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1",
-        "--metrics.peak_tflops", "1",
-        "--no-metrics.enable_tensorboard",
         "--checkpoint.enable",
         "--checkpoint.interval", "1000",  # only the last step is saved
         *extra,

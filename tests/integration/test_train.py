@@ -3,7 +3,7 @@
 import pytest
 import tomllib
 import torch
-from conftest import read_jsonl
+from conftest import TINY_TRAIN, read_jsonl
 
 import train
 
@@ -83,7 +83,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 def test_nonfinite_loss_stops_with_the_step_named(tmp_path, train_runner, nproc, layout):
     """An absurd learning rate blows the weights up after the first update. Under PP the norm
     is summed over the stages, so both ranks see it and stop at the same step (no hang)."""
-    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "5", *layout]
+    args = [*TINY_TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "5", *layout]
     proc = train_runner([*args, "--optimizer.lr", "1e30"], nproc=nproc, check=False)
     assert proc.returncode != 0
     out = proc.stderr + proc.stdout
@@ -92,17 +92,18 @@ def test_nonfinite_loss_stops_with_the_step_named(tmp_path, train_runner, nproc,
     assert proc.returncode == 3 if nproc == 1 else "exitcode  : 3" in proc.stderr, out
 
 
-def test_nonfinite_steps_can_be_skipped(tmp_path, train_runner):
-    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
-    proc = train_runner([*args, "--optimizer.lr", "1e30", "--training.on_nonfinite", "skip"])
-    assert "skipped" in proc.stderr + proc.stdout
+def test_nonfinite_steps_can_be_skipped(tmp_path, capsys):
+    args = [*TINY_TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
+    assert train.main([*args, "--optimizer.lr", "1e30", "--training.on_nonfinite", "skip"]) == 0
+    out = capsys.readouterr()
+    assert "skipped" in out.err + out.out
 
 
-def test_validation_runs_at_its_own_frequency_not_only_on_log_steps(tmp_path, train_runner):
-    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.seq_len", "32"]
-    args += ["--training.local_batch_size", "2", "--training.steps", "100"]
-    args += ["--metrics.log_freq", "10", "--validation.enable", "--validation.freq", "25"]
-    train_runner([*args, "--validation.steps", "1", "--no-metrics.enable_tensorboard"])
+def test_validation_runs_at_its_own_frequency_not_only_on_log_steps(tmp_path):
+    args = [*TINY_TRAIN, "--job.dump_folder", str(tmp_path), "--training.global_batch_size", "2"]
+    args += ["--training.steps", "100", "--metrics.log_freq", "10"]
+    args += ["--validation.enable", "--validation.freq", "25", "--validation.steps", "1"]
+    assert train.main(args) == 0
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows if r.get("val_loss") is not None] == [25, 50, 75, 100]
     assert [r["step"] for r in rows if r["loss"] is not None] == [1, *range(10, 101, 10)]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import read_jsonl, train_many
+from conftest import TINY_TRAIN, read_jsonl, train_many
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titanlite.config import parse_args
@@ -31,20 +31,12 @@ def args(tmp_path_factory):
             n = (i * 29) % 57
             f.write(json.dumps({"text": " ".join(words[(i + j) % 11] for j in range(n))}) + "\n")
     return [
-        "--job.config_file", "debug_model.toml",
-        "--model.vocab_limit", "512",
+        *TINY_TRAIN,
         "--training.dataset", "local",
         "--training.dataset_path", str(path),
         "--no-training.packing",
         "--training.seq_len", "64",
-        "--training.local_batch_size", "2",
-        "--training.global_batch_size", "8",
         "--training.steps", str(STEPS),
-        "--training.mixed_precision_param", "float32",
-        "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1",
-        "--metrics.peak_tflops", "1",
-        "--no-metrics.enable_tensorboard",
         "--validation.enable",
         "--validation.freq", "2",
         "--validation.steps", "-1",
