@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -85,24 +86,33 @@ def run_train(args, nproc=1, env=None, timeout=600, check=True, nnodes_args=None
 
 
 def torchrun_script(script, *args, nproc=4, timeout=600):
-    """Run a worker script on `nproc` gloo ranks (1 thread each); a non-zero exit fails the test."""
+    """Run a worker script on `nproc` gloo ranks (1 thread each; plain python for one rank); a
+    non-zero exit fails the test."""
     # Worker scripts are often the test file itself, which imports the package and this file.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(script), *map(str, args),
-    ]  # fmt: skip
+    launch = [sys.executable]
+    if nproc > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [*launch, str(script), *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode}\n{proc.stderr[-6000:]}")
     return proc
 
 
-def train_many(jobs: list[list[str]], nproc: int, timeout=900):
+def train_many(jobs: list, nproc: int, timeout=900):
     """Several train.py jobs (argument lists; or {"copy": [src, dst]} between them) one after
-    another in one torchrun launch of `nproc` ranks (tests/train_many.py)."""
-    return torchrun_script(REPO / "tests" / "train_many.py", json.dumps(jobs), nproc=nproc,
-                           timeout=timeout)  # fmt: skip
+    another in one process, or one torchrun launch of `nproc` ranks (tests/integration/
+    train_many.py)."""
+    script = REPO / "tests" / "integration" / "train_many.py"
+    return torchrun_script(script, json.dumps(jobs), nproc=nproc, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous or a daemon to bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_jsonl(path):

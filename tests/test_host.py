@@ -1,10 +1,13 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from titanlite.host import cpus_per_local_rank
+
+WORKER = Path(__file__).with_name("pinned_cpus.py")
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs CPU affinity")
@@ -17,11 +20,8 @@ def test_cpus_follow_affinity_shared_by_local_ranks(local_ranks, expected):
         env["LOCAL_WORLD_SIZE"] = local_ranks
     # Pinned to 2 CPUs of however many the machine has: the count must follow the pinning.
     pin = sorted(os.sched_getaffinity(0))[:2]
-    code = (
-        f"import os; os.sched_setaffinity(0, {pin}); "
-        "from titanlite.host import cpus_per_local_rank; print(cpus_per_local_rank())"
-    )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    cmd = [sys.executable, str(WORKER), ",".join(map(str, pin))]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == expected
 

@@ -5,6 +5,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+from conftest import REPO
 
 from titanlite.build import model_args_for_vocab
 from titanlite.config_parse import parse_args
@@ -23,7 +24,6 @@ from titanlite.models.llama.args import ModelArgs
 
 # dim 64, 2 layers, 4 heads (head_dim 16), ffn 256 (multiple_of 256), vocab 128.
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def setup(**kw) -> MemorySetup:

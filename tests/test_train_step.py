@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from torch.overrides import TorchFunctionMode
 
 import train
@@ -14,9 +15,6 @@ from titanlite.distributed import init_distributed
 
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__}
 _READS |= {torch.Tensor.__float__, torch.Tensor.__index__}
-
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 class HostSyncs(TorchFunctionMode):

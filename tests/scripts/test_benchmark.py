@@ -2,9 +2,8 @@
 
 import csv
 import importlib.util
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from conftest import REPO, TINY_TRAIN
 
 
 def load_benchmark():
@@ -16,11 +15,7 @@ def load_benchmark():
 
 def test_tiny_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch, capsys):
     bench = load_benchmark()
-    tiny = [
-        "--job.config_file", "debug_model.toml", "--model.vocab_limit", "512",
-        "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.mixed_precision_param", "float32", "--metrics.peak_tflops", "1",
-    ]  # fmt: skip
+    tiny = [*TINY_TRAIN, "--training.global_batch_size", "2"]  # one microbatch a step
     # A custom flavor exercises the --_train entry that adds it to the flavor table.
     monkeypatch.setitem(bench.PRESETS, "smoke", [("tiny", 1, tiny, "64,2,4")])
     rc = bench.main(

@@ -5,11 +5,11 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import REPO
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -23,7 +23,6 @@ from titanlite.models.llama.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
 _spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
 conv = importlib.util.module_from_spec(_spec)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_jsonl, run_train
+from conftest import REPO, TINY_TRAIN, read_jsonl, run_train
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "prepare_data.py"
 TOKENIZER = ["--model.vocab_limit", "512"]
 
@@ -105,10 +104,8 @@ def data_corpus_dir(tmp_path):
 @pytest.mark.slow
 def test_train_from_a_prepared_dir(data_corpus_dir, tmp_path):
     run_train([
-        "--job.config_file", "debug_model.toml", *TOKENIZER, "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--training.steps", "2",
-        "--training.mixed_precision_param", "float32", "--training.dataset_path",
-        str(data_corpus_dir), "--training.data_cache_dir", str(tmp_path / "cache"),
+        *TINY_TRAIN, "--training.steps", "2", "--training.dataset_path", str(data_corpus_dir),
+        "--training.data_cache_dir", str(tmp_path / "cache"),
         "--job.dump_folder", str(tmp_path / "out"),
     ])  # fmt: skip
     assert [r["step"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl")][-1] == 2

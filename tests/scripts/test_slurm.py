@@ -3,14 +3,13 @@ a training job, then preemption (USR1 -> checkpoint -> requeue -> resume)."""
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_jsonl
+from conftest import REPO, TINY_TRAIN, free_port, read_jsonl
 
 from titanlite.checkpoint import scan_checkpoints
 
@@ -28,15 +27,8 @@ if os.geteuid() != 0:
     pytest.skip("starting munged/slurmctld/slurmd needs root", allow_module_level=True)
 
 SLURM_SCRIPTS = REPO / "scripts" / "slurm"
-TINY = ("--model.vocab_limit 512 --training.seq_len 32 --training.local_batch_size 2 "
-        "--training.mixed_precision_param float32 --metrics.log_freq 1 "
-        "--metrics.enable_tensorboard=false --checkpoint.enable")  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# One microbatch a rank on the job's 2 processes.
+TINY = [*TINY_TRAIN, "--training.global_batch_size", "4", "--checkpoint.enable"]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +38,8 @@ def cluster(tmp_path_factory):
     env = dict(
         os.environ,
         WORKDIR=str(work),
-        SLURMCTLD_PORT=str(_free_port()),
-        SLURMD_PORT=str(_free_port()),
+        SLURMCTLD_PORT=str(free_port()),
+        SLURMD_PORT=str(free_port()),
         SLURM_CONF=str(work / "slurm.conf"),
     )
     start = subprocess.run(
@@ -73,8 +65,8 @@ def _submit(cluster, tmp_path, steps: int, interval: int) -> tuple[str, Path]:
         TITANLITE_DIR=str(REPO),
         NPROC_PER_NODE="2",
         CONFIG_FILE="debug_model.toml",
-        PORT=str(_free_port()),
-        TRAIN_ARGS=f"{TINY} --training.steps {steps} --checkpoint.interval {interval} "
+        PORT=str(free_port()),
+        TRAIN_ARGS=f"{' '.join(TINY)} --training.steps {steps} --checkpoint.interval {interval} "
         f"--job.dump_folder {out}",
     )
     jid = subprocess.run(

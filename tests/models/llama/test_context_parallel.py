@@ -1,12 +1,12 @@
 """Context-parallel attention equals full causal attention, outputs and input gradients."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from titanlite.distributed import destroy
 from titanlite.models.llama.context_parallel import cp_attention, split_sequence
@@ -17,12 +17,6 @@ pytestmark = pytest.mark.slow  # launches processes
 # (sequence length, query heads, kv heads): MHA, GQA 2 and 8, and lengths that make chunks of
 # 1, 3 and 5 tokens at CP 4.
 CASES = [(8, 4, 4), (24, 4, 2), (40, 8, 1)]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _attention_and_grads(attend, q, k, v, grad_out):
@@ -60,7 +54,7 @@ def _worker(rank, world, port):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_matches_full_causal_attention(cp):
-    mp.spawn(_worker, args=(cp, _free_port()), nprocs=cp)
+    mp.spawn(_worker, args=(cp, free_port()), nprocs=cp)
 
 
 def test_split_sequence_balances_causal_work():

@@ -1,6 +1,7 @@
 """Every activation-checkpointing mode under per-block torch.compile, on the TP and FSDP x TP
-layouts, against the same layout in eager mode without AC (issue 16: whole-block AC compiled
-with a TP block crashed in AOTAutograd, "expected all tensors_saved_with_vc_check to be Tensors").
+layouts, against the same layout in eager mode without AC: every AC mode must compile with a TP
+block (whole-block AC once crashed there in AOTAutograd, "expected all
+tensors_saved_with_vc_check to be Tensors").
 
 This file is also the torchrun worker: one launch per layout runs every AC mode, since process
 start-up and compiling dominate (the none / full / every-Nth blocks share one compiled graph).

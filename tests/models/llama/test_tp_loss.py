@@ -1,12 +1,12 @@
 """The chunked loss under tensor parallelism equals the plain loss of one process."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 from test_loss import B, D, S, assert_close_fp32, loss_and_grads, plain
 
 from titanlite.distributed import destroy
@@ -14,12 +14,6 @@ from titanlite.loss import IGNORE_INDEX
 from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
 
 pytestmark = pytest.mark.slow  # every test here launches processes
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tp_worker(rank, world, port):
@@ -51,4 +45,4 @@ def _tp_worker(rank, world, port):
 
 def test_tensor_parallel_matches_plain():
     # A failure in either rank re-raises here with that rank's traceback.
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2)
+    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2)

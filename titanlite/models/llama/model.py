@@ -7,6 +7,7 @@ the attention kernel one that context parallelism replaces, and forward takes th
 positions when it is given only a part of each sequence.
 """
 
+import functools
 import math
 
 import torch
@@ -83,7 +84,11 @@ def causal_attention(q, k, v, mask: torch.Tensor | BlockMask | None = None) -> t
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
-_compiled_flex_attention = torch.compile(flex_attention)
+@functools.cache
+def _compiled_flex_attention():
+    """Made on first use: torch.compile at import would load inductor into every process that
+    imports the model (a second or more of start-up for each rank, GPU job or not)."""
+    return torch.compile(flex_attention)
 
 
 def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
@@ -91,7 +96,7 @@ def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
     # the block-sparse kernel that skips the blocks across documents. On CPU it only runs
     # without gradients (torch has no CPU backward for it): there the exact eager reference
     # serves evaluation and spares a compile.
-    flex = flex_attention if q.device.type == "cpu" else _compiled_flex_attention
+    flex = flex_attention if q.device.type == "cpu" else _compiled_flex_attention()
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 

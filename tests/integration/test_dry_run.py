@@ -2,8 +2,6 @@
 a fake process group, and the seed checkpoint; and a resumed run that draws no weights."""
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -22,24 +20,23 @@ SMALL = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
 SMALL += ["--training.seq_len", "32", "--training.local_batch_size", "2"]
 
 
-def run(args, check=True):
-    proc = subprocess.run(
-        [sys.executable, "train.py", *args], capture_output=True, text=True, timeout=600
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
+def run(args, capsys):
+    """train.main in this process (the dry run and the seed checkpoint are one process's jobs):
+    (exit status, stderr)."""
+    code = train.main(args)
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     "flavor, world, tp",
     [("debugmodel", 64, 8), pytest.param("8B", 64, 8, marks=pytest.mark.slow)],
 )
-def test_dry_run_builds_only_this_ranks_share(tmp_path, flavor, world, tp):
+def test_dry_run_builds_only_this_ranks_share(tmp_path, capsys, flavor, world, tp):
     args = ["--job.config_file", "debug_model.toml", "--model.flavor", flavor]
     args += ["--comm.mode", "fake_backend", "--comm.fake_world_size", str(world)]
     args += ["--comm.fake_rank", "3", "--parallelism.tensor_parallel_degree", str(tp)]
-    run([*args, "--job.dump_folder", str(tmp_path)])
+    code, err = run([*args, "--job.dump_folder", str(tmp_path)], capsys)
+    assert code == 0, err
     report = json.loads((tmp_path / "dry_run.json").read_text())
     assert (report["world_size"], report["rank"]) == (world, 3)
     assert f"dp_shard={world // tp}, cp=1, tp={tp}" in report["layout"]
@@ -54,13 +51,14 @@ def test_dry_run_builds_only_this_ranks_share(tmp_path, flavor, world, tp):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dry_run.json"]  # nothing else written
 
 
-def test_dry_run_under_pp_builds_this_ranks_stage(tmp_path):
+def test_dry_run_under_pp_builds_this_ranks_stage(tmp_path, capsys):
     """Rank 40 of 64 = PP 2 x dp_shard 4 x TP 8 is on the second of two stages: layers 3-5, the
     final norm and the output; its shard is 1/32 of that stage, its estimate the last stage's."""
     args = [*SMALL, "--comm.mode", "fake_backend", "--comm.fake_world_size", "64"]
     args += ["--comm.fake_rank", "40", "--parallelism.tensor_parallel_degree", "8"]
     args += ["--parallelism.pipeline_parallel_degree", "2"]
-    run([*args, "--job.dump_folder", str(tmp_path)])
+    code, err = run([*args, "--job.dump_folder", str(tmp_path)], capsys)
+    assert code == 0, err
     report = json.loads((tmp_path / "dry_run.json").read_text())
     assert "pp=2, dp_replicate=1, dp_shard=4" in report["layout"]
     assert report["pipeline_stages"] == {"1": [3, 5]}
@@ -84,16 +82,16 @@ def test_dry_run_under_pp_builds_this_ranks_stage(tmp_path):
         (["--comm.fake_world_size", "0"], "--comm.fake_world_size N"),
     ],
 )
-def test_dry_run_rejects_a_layout_the_job_would_reject(tmp_path, args, expected):
-    proc = run([*SMALL, "--comm.mode", "fake_backend", *args, "--job.dump_folder", str(tmp_path)],
-               check=False)  # fmt: skip
-    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_dry_run_rejects_a_layout_the_job_would_reject(tmp_path, capsys, args, expected):
+    argv = [*SMALL, "--comm.mode", "fake_backend", *args, "--job.dump_folder", str(tmp_path)]
+    code, err = run(argv, capsys)
+    assert code == 2 and expected in err, err
+    assert "Traceback" not in err
 
 
-def test_fake_world_without_the_fake_backend_is_an_error(tmp_path):
-    proc = run([*SMALL, "--comm.fake_world_size", "8"], check=False)
-    assert proc.returncode == 2 and "--comm.mode fake_backend" in proc.stderr
+def test_fake_world_without_the_fake_backend_is_an_error(capsys):
+    code, err = run([*SMALL, "--comm.fake_world_size", "8"], capsys)
+    assert code == 2 and "--comm.mode fake_backend" in err
 
 
 def test_seed_checkpoint_holds_the_drawn_weights_and_loading_it_draws_none(tmp_path, monkeypatch):

@@ -1,9 +1,9 @@
-"""Worker: several train.py jobs in a row in one torchrun launch, which saves each job the start
-of its own processes (seconds, times dozens of jobs in the suite).
+"""Worker: several train.py jobs in a row in one process or one torchrun launch, which saves each
+job the start of its own processes (seconds, times dozens of jobs in the suite).
 
 argv[1] is a JSON list of jobs: a list of train.py arguments (the job runs as train.main runs
-it: seeded, then Trainer, train, close), or {"copy": [src, dst]}: rank 0 copies a checkpoint
-folder and the others wait for it.
+it: seeded, then Trainer, train, close; a seed checkpoint job, one process only, runs train.main
+itself), or {"copy": [src, dst]}: rank 0 copies a checkpoint folder and the others wait for it.
 """
 
 import json
@@ -27,6 +27,9 @@ def main(jobs: list) -> None:
             dist.barrier()
             continue
         cfg = parse_args(job)
+        if cfg.checkpoint.create_seed_checkpoint:
+            assert train.main(job) == 0, job
+            continue
         torch.manual_seed(cfg.debug.seed)
         trainer = train.Trainer(cfg, dist_env)
         trainer.train()

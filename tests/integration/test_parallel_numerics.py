@@ -6,25 +6,13 @@ import json
 import re
 
 import pytest
-from conftest import read_jsonl, run_train, train_many
+from conftest import TINY_TRAIN, read_jsonl, run_train, train_many
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
-# The debug model shrunk for speed, fp32 so layouts are comparable to rounding. The global batch
-# is fixed, so each layout splits the same 8 rows differently (1 proc: 4 microbatches of 2).
-BASE = [
-    "--job.config_file", "debug_model.toml",
-    "--model.vocab_limit", "512",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--training.global_batch_size", "8",
-    "--training.steps", "8",
-    "--training.mixed_precision_param", "float32",
-    "--metrics.log_freq", "1",
-    "--metrics.peak_tflops", "1",  # skip the CPU matmul calibration: slow on a busy machine
-    "--no-metrics.enable_tensorboard",
-    "--lr_scheduler.warmup_steps", "2",
-]  # fmt: skip
+# The tiny run, fp32 so layouts are comparable to rounding. The global batch is fixed, so each
+# layout splits the same 8 rows differently (1 proc: 4 microbatches of 2).
+BASE = [*TINY_TRAIN, "--training.steps", "8"]
 PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
 FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 stages, 4 microbatches
 # name: (ranks, args, relative tolerance on every step's loss and grad norm).
@@ -46,7 +34,8 @@ LAYOUTS = {
         "--loss.chunk_tokens", "24",
     ], 1e-4),
     # Context parallelism (Llama 3's all-gathered K/V over load-balanced chunks): measured within
-    # 2e-7 of one process (loss and grad norm, 8 fp32 steps), so held to the issue's 1e-5.
+    # 2e-7 of one process (loss and grad norm, 8 fp32 steps), so held to 1e-5: a layout must
+    # not be a numerical approximation of one process.
     "cp4": (4, ["--parallelism.context_parallel_degree", "4"], 1e-5),
     "cp2xfsdp2": (4, [
         "--parallelism.context_parallel_degree", "2",
@@ -98,53 +87,70 @@ def assert_matches(name, got, ref, rtol=1e-4, steps=8):
     assert loss <= rtol and norm <= rtol, (name, got, ref)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("ref")
-    run_train([*BASE, "--job.dump_folder", str(dump)])
-    return curves(dump)
-
-
-@pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
-    """Every layout's curves: those of one world size trained one after another in one launch."""
-    out = tmp_path_factory.mktemp("layouts")
-    for nproc in sorted({n for n, _, _ in LAYOUTS.values()}):
-        names = [name for name, (n, _, _) in LAYOUTS.items() if n == nproc]
-        jobs = [[*BASE, *LAYOUTS[name][1], "--job.dump_folder", str(out / name)] for name in names]
-        train_many(jobs, nproc=nproc)
-    return {name: curves(out / name) for name in LAYOUTS}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_process(layout, layout_runs, reference):
-    rtol = LAYOUTS[layout][2]
-    assert_matches(f"{layout} vs 1 process", layout_runs[layout], reference, rtol=rtol)
-
-
-def test_document_masking_fsdp_x_tp_matches_one_process(tmp_path, train_runner):
-    """torchtitan's flavor name for document masking, under FSDP 2 x TP 2 with selective AC and
-    the chunked loss, against one process with the same flavor, on documents of 3-20 tokens (so
-    every 32-token row packs several); and the mask does change the losses."""
-    corpus = tmp_path / "short_docs.jsonl"
+def short_docs(folder):
+    """Documents of 3-20 tokens, so every 32-token row packs several."""
+    corpus = folder / "short_docs.jsonl"
     words = ["alpha", "beta", "gamma", "delta", "x", "y", "return", "if"]
     docs = [" ".join(words[(i + j) % 8] for j in range(3 + i % 17)) for i in range(400)]
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    data = ["--training.dataset", "local", "--training.dataset_path", str(corpus)]
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this file by name -> its dump folder: the one-process runs one after another
+    in one process, then those of each world size in one torchrun launch (process start-up is
+    most of a tiny run's time on 2 cores)."""
+    out = tmp_path_factory.mktemp("runs")
+    data = ["--training.dataset", "local", "--training.dataset_path", str(short_docs(out))]
     short = [*BASE, *data, "--training.steps", "4"]
     masked = [*short, "--model.flavor", "debugmodel_flex_attn"]
-    layout = [*FSDP2_TP2, "--activation_checkpoint.mode", "selective", "--loss.chunk_tokens", "24"]
-    train_runner([*masked, "--job.dump_folder", str(tmp_path / "one")])
-    train_runner([*masked, *layout, "--job.dump_folder", str(tmp_path / "2d")], nproc=4)
-    train_runner([*short, "--job.dump_folder", str(tmp_path / "causal")])
-    got, ref = curves(tmp_path / "2d"), curves(tmp_path / "one")
+    bf16 = [*BASE, "--training.mixed_precision_param", "bfloat16", "--training.steps", "4"]
+    load_seed = ["--checkpoint.initial_load_path", str(out / "seed" / "checkpoint" / "step-0")]
+    # name: (ranks, args)
+    jobs = {
+        "reference": (1, BASE),
+        "mask_one": (1, masked),
+        "mask_causal": (1, short),
+        "bf16_one": (1, bf16),
+        "seed": (1, [*BASE, "--checkpoint.create_seed_checkpoint", "--checkpoint.enable"]),
+        "seed_one": (1, [*BASE, *load_seed]),
+        **{name: (n, [*BASE, *args]) for name, (n, args, _) in LAYOUTS.items()},
+        "mask_fsdp2xtp2": (4, [*masked, *FSDP2_TP2, "--activation_checkpoint.mode", "selective",
+                               "--loss.chunk_tokens", "24"]),
+        "bf16_fsdp4": (4, [*bf16, *LAYOUTS["fsdp4"][1]]),
+        "seed_fsdp2xtp2": (4, [*BASE, *load_seed, *FSDP2_TP2]),
+    }  # fmt: skip
+    for nproc in sorted({n for n, _ in jobs.values()}):
+        names = [name for name, (n, _) in jobs.items() if n == nproc]
+        train_many([[*jobs[name][1], "--job.dump_folder", str(out / name)] for name in names],
+                   nproc=nproc)  # fmt: skip
+    return {name: out / name for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return curves(runs["reference"])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(layout, runs, reference):
+    rtol = LAYOUTS[layout][2]
+    assert_matches(f"{layout} vs 1 process", curves(runs[layout]), reference, rtol=rtol)
+
+
+def test_document_masking_fsdp_x_tp_matches_one_process(runs):
+    """torchtitan's flavor name for document masking, under FSDP 2 x TP 2 with selective AC and
+    the chunked loss, against one process with the same flavor, on documents of 3-20 tokens (so
+    every 32-token row packs several); and the mask does change the losses."""
+    got, ref = curves(runs["mask_fsdp2xtp2"]), curves(runs["mask_one"])
     assert_matches("document masking fsdp2xtp2 vs 1 process", got, ref, steps=4)
     # Same weights and data, causal mask only: measured 8e-4 off at step 1, 6e-3 at step 3.
-    causal = curves(tmp_path / "causal")
+    causal = curves(runs["mask_causal"])
     assert max(abs(c[1] / r[1] - 1) for c, r in zip(causal, ref)) > 1e-3, (causal, ref)
 
 
-def test_bf16_fsdp_matches_one_process_bf16(tmp_path, train_runner):
+def test_bf16_fsdp_matches_one_process_bf16(runs):
     """bf16 is FSDP's policy in every layout (a one-rank mesh in one process), so one process and
     FSDP 4 round alike: measured 7e-8 apart at step 1, bitwise equal after, on an AVX2 CPU.
 
@@ -153,11 +159,7 @@ def test_bf16_fsdp_matches_one_process_bf16(tmp_path, train_runner):
     (step 1) and 2e-5 (later steps) in tests/models/llama/test_parallelize.py, so the bounds are
     2.5x and 5x those. One process under autocast (the old mechanism) was 8.9e-5 / 1.5e-6 / 5.4e-5
     / 1.5e-4 off over the 4 steps and fails both."""
-    bf16 = [*BASE, "--training.mixed_precision_param", "bfloat16", "--training.steps", "4"]
-    train_runner([*bf16, "--job.dump_folder", str(tmp_path / "one")])
-    fsdp4 = LAYOUTS["fsdp4"][1]
-    train_runner([*bf16, *fsdp4, "--job.dump_folder", str(tmp_path / "fsdp")], nproc=4)
-    got, ref = curves(tmp_path / "fsdp"), curves(tmp_path / "one")
+    got, ref = curves(runs["bf16_fsdp4"]), curves(runs["bf16_one"])
     assert [s for s, _, _ in got] == [s for s, _, _ in ref] == [1, 2, 3, 4]
     assert got[0][1] == pytest.approx(ref[0][1], rel=2e-5)  # the same weights
     for (_, loss, norm), (_, ref_loss, ref_norm) in zip(got, ref):
@@ -165,24 +167,16 @@ def test_bf16_fsdp_matches_one_process_bf16(tmp_path, train_runner):
         assert norm == pytest.approx(ref_norm, rel=1e-4)
 
 
-def test_seed_checkpoint_then_fsdp_x_tp(reference, tmp_path, train_runner):
-    seed_dump = tmp_path / "seed"
-    seed_args = ["--checkpoint.create_seed_checkpoint", "--checkpoint.enable"]
-    train_runner([*BASE, *seed_args, "--job.dump_folder", str(seed_dump)])
-    step0 = seed_dump / "checkpoint" / "step-0"
+def test_seed_checkpoint_then_fsdp_x_tp(runs, reference):
+    step0 = runs["seed"] / "checkpoint" / "step-0"
     assert (step0 / ".metadata").exists()
-    assert not (seed_dump / "metrics.jsonl").exists()  # the seed run trains no step
+    assert not (runs["seed"] / "metrics.jsonl").exists()  # the seed run trains no step
 
-    load = ["--checkpoint.initial_load_path", str(step0)]
-    train_runner([*BASE, *load, "--job.dump_folder", str(tmp_path / "one")])
-    train_runner([*BASE, *load, *FSDP2_TP2, "--job.dump_folder", str(tmp_path / "2d")], nproc=4)
-    one_seeded = curves(tmp_path / "one")
-    assert_matches(
-        "fsdp2xtp2 from seed vs 1 process from seed", curves(tmp_path / "2d"), one_seeded
-    )
+    one_seeded, two_d = curves(runs["seed_one"]), curves(runs["seed_fsdp2xtp2"])
+    assert_matches("fsdp2xtp2 from seed vs 1 process from seed", two_d, one_seeded)
     # Our init is layout-invariant, so starting from the seed changes nothing.
     assert_matches("1 process from seed vs plain", one_seeded, reference)
-    assert_matches("fsdp2xtp2 from seed vs plain", curves(tmp_path / "2d"), reference)
+    assert_matches("fsdp2xtp2 from seed vs plain", two_d, reference)
 
 
 @pytest.mark.parametrize(
@@ -204,9 +198,9 @@ def test_seed_checkpoint_then_fsdp_x_tp(reference, tmp_path, train_runner):
         "pp_microbatches",
     ],  # fmt: skip
 )
-def test_bad_layout_fails_cleanly_under_torchrun(nproc, args, expected, tmp_path, train_runner):
+def test_bad_layout_fails_cleanly_under_torchrun(nproc, args, expected, tmp_path):
     dump = tmp_path / "run"
-    proc = train_runner([*BASE, *args, "--job.dump_folder", str(dump)], nproc=nproc, check=False)
+    proc = run_train([*BASE, *args, "--job.dump_folder", str(dump)], nproc=nproc, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     # Each rank that got that far prints the same one line (torchrun may SIGTERM the rest first).

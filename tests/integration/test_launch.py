@@ -4,32 +4,17 @@ shellcheck on every shell script, the launchers' allocator setting."""
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAIN, read_jsonl
+from conftest import REPO, TINY_TRAIN, TRAIN, free_port, read_jsonl
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
-TINY = [
-    "--job.config_file", "debug_model.toml",
-    "--model.vocab_limit", "512",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--training.mixed_precision_param", "float32",
-    "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard=false",
-]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TINY = [*TINY_TRAIN, "--training.global_batch_size", "4"]  # one microbatch a rank on 2 or 4 ranks
 
 
 def _env() -> dict:
@@ -59,14 +44,13 @@ def _finish(proc: subprocess.Popen, timeout: int = 300) -> str:
 
 def test_two_nodes_match_one_node(tmp_path, train_runner):
     """2 agents x 2 workers with c10d rendezvous == 4 workers standalone, FSDP 2 x TP 2."""
-    args = [*TINY, "--parallelism.tensor_parallel_degree", "2",
-            "--training.global_batch_size", "4", "--training.steps", "4"]  # fmt: skip
+    args = [*TINY, "--parallelism.tensor_parallel_degree", "2", "--training.steps", "4"]
     one = tmp_path / "one"
     train_runner([*args, "--job.dump_folder", str(one)], nproc=4)
 
     two = tmp_path / "two"
     rdzv = ["--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{_free_port()}", "--rdzv_id", "two-nodes"]  # fmt: skip
+            "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "two-nodes"]  # fmt: skip
     cmd = _torchrun(rdzv, [*args, "--job.dump_folder", str(two)])
     nodes = [
         subprocess.Popen(

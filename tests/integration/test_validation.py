@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import read_jsonl, run_train
+from conftest import TINY_TRAIN, read_jsonl, train_many
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titanlite.config_parse import parse_args
@@ -31,20 +31,12 @@ def args(tmp_path_factory):
             n = (i * 29) % 57
             f.write(json.dumps({"text": " ".join(words[(i + j) % 11] for j in range(n))}) + "\n")
     return [
-        "--job.config_file", "debug_model.toml",
-        "--model.vocab_limit", "512",
+        *TINY_TRAIN,
         "--training.dataset", "local",
         "--training.dataset_path", str(path),
         "--no-training.packing",
         "--training.seq_len", "64",
-        "--training.local_batch_size", "2",
-        "--training.global_batch_size", "8",
         "--training.steps", str(STEPS),
-        "--training.mixed_precision_param", "float32",
-        "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1",
-        "--metrics.peak_tflops", "1",
-        "--no-metrics.enable_tensorboard",
         "--validation.enable",
         "--validation.freq", "2",
         "--validation.steps", "-1",
@@ -52,12 +44,28 @@ def args(tmp_path_factory):
     ]  # fmt: skip
 
 
+LAYOUTS = {
+    "fsdp2": [],
+    "cp2": ["--parallelism.context_parallel_degree", "2"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+}
+
+
 @pytest.fixture(scope="module")
-def one_process(args, tmp_path_factory):
-    dump = tmp_path_factory.mktemp("one")
+def dumps(args, tmp_path_factory):
+    """Dump folders: one process's run (saving its last step), then every 2-rank layout's in one
+    torchrun launch."""
+    out = tmp_path_factory.mktemp("runs")
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "1000"]  # saves the last step only
-    run_train([*args, *ckpt, "--job.dump_folder", str(dump)])
-    return dump
+    train_many([[*args, *ckpt, "--job.dump_folder", str(out / "one")]], nproc=1)
+    train_many([[*args, *layout, "--job.dump_folder", str(out / name)]
+                for name, layout in LAYOUTS.items()], nproc=2)  # fmt: skip
+    return {name: out / name for name in ["one", *LAYOUTS]}
+
+
+@pytest.fixture(scope="module")
+def one_process(dumps):
+    return dumps["one"]
 
 
 def val_rows(rows):
@@ -75,21 +83,13 @@ def test_val_metrics_on_the_right_steps(one_process):
     assert val[4]["val_loss"] < val[2]["val_loss"]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        [],
-        ["--parallelism.context_parallel_degree", "2"],
-        ["--parallelism.pipeline_parallel_degree", "2"],
-    ],
-    ids=["fsdp2", "cp2", "pp2"],
-)
-def test_two_ranks_match_one_process(layout, args, one_process, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_match_one_process(layout, dumps):
     """Ragged documents, 4 (1 process, CP 2, PP 2) or 2 (FSDP 2) microbatches per step: training
     and validation losses equal one process's (CP: every sequence's labels split over 2 ranks;
     PP: validation runs the schedule forward only, the loss on the last stage)."""
-    run_train([*args, *layout, "--job.dump_folder", str(tmp_path)], nproc=2)
-    ref, got = read_jsonl(one_process / "metrics.jsonl"), read_jsonl(tmp_path / "metrics.jsonl")
+    ref = read_jsonl(dumps["one"] / "metrics.jsonl")
+    got = read_jsonl(dumps[layout] / "metrics.jsonl")
     ref_val, got_val = val_rows(ref), val_rows(got)
     assert sorted(got_val) == sorted(ref_val) == [2, 4]
     worst_val = max(abs(got_val[s]["val_loss"] / ref_val[s]["val_loss"] - 1) for s in ref_val)

@@ -3,7 +3,9 @@
 import pytest
 import tomllib
 import torch
-from conftest import read_jsonl
+from conftest import TINY_TRAIN, read_jsonl
+
+import train
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -65,11 +67,14 @@ def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
         ),
     ],
 )
-def test_bad_input_is_one_clear_line(tmp_path, train_runner, args, expected):
-    proc = train_runner([*FAST, "--job.dump_folder", str(tmp_path), *args], check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert expected in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bad_input_is_one_clear_line(tmp_path, capsys, args, expected):
+    """train.main in this process: `python train.py` exits with its return value (real processes
+    exit 2 in test_missing_load_step_fails_before_the_model_is_built and under torchrun in
+    test_parallel_numerics.py)."""
+    assert train.main([*FAST, "--job.dump_folder", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "Traceback" not in err
 
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
@@ -79,7 +84,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 def test_nonfinite_loss_stops_with_the_step_named(tmp_path, train_runner, nproc, layout):
     """An absurd learning rate blows the weights up after the first update. Under PP the norm
     is summed over the stages, so both ranks see it and stop at the same step (no hang)."""
-    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "5", *layout]
+    args = [*TINY_TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "5", *layout]
     proc = train_runner([*args, "--optimizer.lr", "1e30"], nproc=nproc, check=False)
     assert proc.returncode != 0
     out = proc.stderr + proc.stdout
@@ -88,17 +93,19 @@ def test_nonfinite_loss_stops_with_the_step_named(tmp_path, train_runner, nproc,
     assert proc.returncode == 3 if nproc == 1 else "exitcode  : 3" in proc.stderr, out
 
 
-def test_nonfinite_steps_can_be_skipped(tmp_path, train_runner):
-    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
-    proc = train_runner([*args, "--optimizer.lr", "1e30", "--training.on_nonfinite", "skip"])
-    assert "skipped" in proc.stderr + proc.stdout
+def test_nonfinite_steps_can_be_skipped(tmp_path, capsys):
+    args = [*TINY_TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "4"]
+    assert train.main([*args, "--optimizer.lr", "1e30", "--training.on_nonfinite", "skip"]) == 0
+    out = capsys.readouterr()
+    assert "skipped" in out.err + out.out
 
 
 def test_validation_runs_at_its_own_frequency_not_only_on_log_steps(tmp_path, train_runner):
-    args = [*FAST, "--job.dump_folder", str(tmp_path), "--training.seq_len", "32"]
-    args += ["--training.local_batch_size", "2", "--training.steps", "100"]
-    args += ["--metrics.log_freq", "10", "--validation.enable", "--validation.freq", "25"]
-    train_runner([*args, "--validation.steps", "1", "--no-metrics.enable_tensorboard"])
+    args = [*TINY_TRAIN, "--job.dump_folder", str(tmp_path), "--training.global_batch_size", "2"]
+    args += ["--training.steps", "100", "--metrics.log_freq", "10"]
+    train_runner(
+        [*args, "--validation.enable", "--validation.freq", "25", "--validation.steps", "1"]
+    )
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows if r.get("val_loss") is not None] == [25, 50, 75, 100]
     assert [r["step"] for r in rows if r["loss"] is not None] == [1, *range(10, 101, 10)]

@@ -4,7 +4,7 @@ cannot do exactly is refused with one line before the model is built."""
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, read_jsonl, run_train
+from conftest import TINY_TRAIN, read_jsonl, train_many
 from torch.distributed.fsdp import FSDPModule
 
 import train
@@ -21,33 +21,38 @@ def curve(dump):
     return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(dump / "metrics.jsonl")]
 
 
+SAVERS = {
+    "reference": [],
+    "early_step": ["--optimizer.early_step_in_backward"],
+    "cpu_offload": ["--training.enable_cpu_offload"],
+}
+
+
 @pytest.fixture(scope="module")
-def fsdp2_reference(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("reference")
-    run_train([*FSDP2, "--job.dump_folder", str(dump)], nproc=2)
-    return curve(dump)
+def curves(tmp_path_factory):
+    """Each saver's FSDP 2 run and the reference, one after another in one 2-rank launch."""
+    out = tmp_path_factory.mktemp("savers")
+    train_many([[*FSDP2, *extra, "--job.dump_folder", str(out / name)]
+                for name, extra in SAVERS.items()], nproc=2)  # fmt: skip
+    return {name: curve(out / name) for name in SAVERS}
 
 
 @pytest.mark.slow
-def test_early_step_in_backward_trains_as_the_step_after_backward(fsdp2_reference, tmp_path):
+def test_early_step_in_backward_trains_as_the_step_after_backward(curves):
     """Bitwise losses: the same AdamW kernels on the same reduce-scattered gradients, one
     parameter at a time. The logged norm is summed by the hooks in another order (fp64 on CPU,
     read in fp32): equal within an fp32 rounding."""
-    run_train([*FSDP2, "--optimizer.early_step_in_backward", "--job.dump_folder", str(tmp_path)],
-              nproc=2)  # fmt: skip
-    got = curve(tmp_path)
+    got, reference = curves["early_step"], curves["reference"]
     assert [s for s, _, _ in got] == [1, 2, 3]
-    assert [loss for _, loss, _ in got] == [loss for _, loss, _ in fsdp2_reference]
-    assert [n for _, _, n in got] == pytest.approx([n for _, _, n in fsdp2_reference], rel=1e-6)
+    assert [loss for _, loss, _ in got] == [loss for _, loss, _ in reference]
+    assert [n for _, _, n in got] == pytest.approx([n for _, _, n in reference], rel=1e-6)
 
 
 @pytest.mark.slow
-def test_cpu_offload_trains_as_without(fsdp2_reference, tmp_path):
+def test_cpu_offload_trains_as_without(curves):
     """On a CPU the offload moves nothing, but FSDP runs its offload path (CPU shards checked,
     host copies, the step on the host tensors): the same numbers, bitwise."""
-    run_train([*FSDP2, "--training.enable_cpu_offload", "--job.dump_folder", str(tmp_path)],
-              nproc=2)  # fmt: skip
-    assert curve(tmp_path) == fsdp2_reference
+    assert curves["cpu_offload"] == curves["reference"]
 
 
 def test_cpu_offload_without_data_parallelism_shards_over_one_rank(tmp_path):
