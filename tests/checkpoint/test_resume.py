@@ -65,36 +65,59 @@ def load_full(step_dir: Path, tmp: Path) -> dict:
     return torch.load(dst, weights_only=False)
 
 
+def job(out: Path, name: str, layout: str, *extra: str, start: Path | None = None) -> list:
+    """train_many's jobs for one run of `layout` in out/name, started from `start`'s step 6."""
+    run = [[*TINY, *LAYOUTS[layout][1], *extra, "--job.dump_folder", str(out / name)]]
+    if start is None:
+        return run
+    step6 = [str(folder / "checkpoint" / "step-6") for folder in (start, out / name)]
+    return [{"copy": step6}, *run]
+
+
+# The 4-rank resumes of test_reshard_resume, run with the references below.
+RESHARD_4 = [("fsdp4_ref", "fsdp2_tp2"), ("fsdp4_ref", "cp2_fsdp2"), ("cp_ref", "fsdp2_tp2")]
+
+
 @pytest.fixture(scope="module")
-def fsdp4_ref(tmp_path_factory) -> Path:
-    """Uninterrupted FSDP 4 run (4 processes), sync checkpoints at 6 and 12."""
-    out = tmp_path_factory.mktemp("fsdp4_ref")
-    train(out, "fsdp4")
+def runs(tmp_path_factory) -> Path:
+    """Every 4-rank run of this file in one torchrun launch (process start-up is most of a tiny
+    run's time on 2 cores), each in its own folder:
+    - fsdp4_ref: an uninterrupted FSDP 4 run, sync checkpoints at 6 and 12;
+    - tp_ref: an uninterrupted FSDP 2 x TP 2 run, async checkpoints at 6 and 12, and tp_resumed:
+      it resumed from its (async-written) step 6, saving step 12 synchronously;
+    - cp_ref: an uninterrupted CP 2 x FSDP 2 run, sync checkpoints;
+    - "{ref}-{layout}": ref's step 6 resumed under layout, for RESHARD_4;
+    - pp/ref: an uninterrupted PP 2 x FSDP 2 run; pp/same, pp/fsdp4, pp/pp2_tp2: its step 6
+      resumed under PP 2 x FSDP 2, FSDP 4 and PP 2 x TP 2; pp/from_fsdp4: fsdp4_ref's step 6
+      under PP 2 x TP 2."""
+    out = tmp_path_factory.mktemp("runs")
+    jobs = job(out, "fsdp4_ref", "fsdp4") + job(out, "cp_ref", "cp2_fsdp2")
+    jobs += job(out, "tp_ref", "fsdp2_tp2", "--checkpoint.async_mode", "async")
+    jobs += job(out, "tp_resumed", "fsdp2_tp2", start=out / "tp_ref")
+    for ref, layout in RESHARD_4:
+        jobs += job(out, f"{ref}-{layout}", layout, start=out / ref)
+    pp = out / "pp"
+    jobs += job(pp, "ref", "pp2_fsdp2") + job(pp, "same", "pp2_fsdp2", start=pp / "ref")
+    jobs += job(pp, "fsdp4", "fsdp4", start=pp / "ref")
+    jobs += job(pp, "pp2_tp2", "pp2_tp2", start=pp / "ref")
+    jobs += job(pp, "from_fsdp4", "pp2_tp2", start=out / "fsdp4_ref")
+    train_many(jobs, nproc=4)
     return out
 
 
 @pytest.fixture(scope="module")
-def tp_ref(tmp_path_factory) -> Path:
-    """Uninterrupted FSDP 2 x TP 2 run (4 processes), async checkpoints at 6 and 12."""
-    out = tmp_path_factory.mktemp("tp_ref")
-    train(out, "fsdp2_tp2", "--checkpoint.async_mode", "async")
-    return out
+def fsdp4_ref(runs) -> Path:
+    return runs / "fsdp4_ref"
 
 
 @pytest.fixture(scope="module")
-def tp_resumed(tp_ref, tmp_path_factory) -> Path:
-    """tp_ref resumed from its (async-written) step 6, saving step 12 synchronously."""
-    out = tmp_path_factory.mktemp("tp_resumed")
-    resume(tp_ref, out, "fsdp2_tp2")
-    return out
+def tp_ref(runs) -> Path:
+    return runs / "tp_ref"
 
 
 @pytest.fixture(scope="module")
-def cp_ref(tmp_path_factory) -> Path:
-    """Uninterrupted CP 2 x FSDP 2 run (4 processes), sync checkpoints at 6 and 12."""
-    out = tmp_path_factory.mktemp("cp_ref")
-    train(out, "cp2_fsdp2")
-    return out
+def tp_resumed(runs) -> Path:
+    return runs / "tp_resumed"
 
 
 @pytest.mark.slow
@@ -135,14 +158,17 @@ def test_async_checkpoint_equals_sync_checkpoint(tp_ref, tp_resumed, tmp_path):
         ("cp_ref", "fsdp2_tp2"),
     ],
 )
-def test_reshard_resume(ref, layout, tmp_path, request):
+def test_reshard_resume(ref, layout, tmp_path, runs):
     """An FSDP 4 checkpoint resumes under FSDP 2 x TP 2, one process, FSDP 2 on 2 processes and
     CP 2 x FSDP 2; a CP 2 x FSDP 2 one under FSDP 2 x TP 2. The loader position is global, so
     step 7 sees the same global batch: its loss matches the uninterrupted run to reduction-order
     rounding, as do the later steps."""
-    ref = request.getfixturevalue(ref)
-    resume(ref, tmp_path, layout)
-    a, b = metrics(ref), metrics(tmp_path)
+    if (ref, layout) in RESHARD_4:
+        resumed = runs / f"{ref}-{layout}"
+    else:
+        resumed = tmp_path
+        resume(runs / ref, resumed, layout)
+    a, b = metrics(runs / ref), metrics(resumed)
     assert sorted(b) == list(range(7, 13))
     devs = {s: abs(a[s] - b[s]) / abs(a[s]) for s in b}
     print(f"{layout}: relative loss deviation per step {devs}")
@@ -156,41 +182,22 @@ def test_reshard_resume(ref, layout, tmp_path, request):
     assert max(devs.values()) < 1e-4, devs
 
 
-@pytest.fixture(scope="module")
-def pp_runs(fsdp4_ref, tmp_path_factory) -> Path:
-    """In one 4-rank launch: an uninterrupted PP 2 x FSDP 2 run ("ref"), its step 6 resumed
-    under the same layout, FSDP 4 and PP 2 x TP 2, and fsdp4_ref's step 6 under PP 2 x TP 2."""
-    out = tmp_path_factory.mktemp("pp")
-
-    def job(name, layout, start=None):
-        run = [[*TINY, *LAYOUTS[layout][1], "--job.dump_folder", str(out / name)]]
-        if start is None:
-            return run
-        step6 = [str(folder / "checkpoint" / "step-6") for folder in (start, out / name)]
-        return [{"copy": step6}, *run]
-
-    jobs = job("ref", "pp2_fsdp2") + job("same", "pp2_fsdp2", out / "ref")
-    jobs += job("fsdp4", "fsdp4", out / "ref") + job("pp2_tp2", "pp2_tp2", out / "ref")
-    jobs += job("from_fsdp4", "pp2_tp2", fsdp4_ref)
-    train_many(jobs, nproc=4)
-    return out
-
-
 @pytest.mark.slow
-def test_pp_resume_is_bitwise(pp_runs):
+def test_pp_resume_is_bitwise(runs):
     for key in ("loss", "grad_norm", "lr"):
-        a, b = metrics(pp_runs / "ref", key), metrics(pp_runs / "same", key)
+        a, b = metrics(runs / "pp" / "ref", key), metrics(runs / "pp" / "same", key)
         assert sorted(b) == list(range(7, 13)), key
         assert {s: a[s] for s in b} == b, key
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ref, run", [("ref", "fsdp4"), ("ref", "pp2_tp2"), (None, "from_fsdp4")])
-def test_pp_checkpoints_reshard_both_ways(ref, run, pp_runs, fsdp4_ref):
+def test_pp_checkpoints_reshard_both_ways(ref, run, runs):
     """State-dict keys do not depend on the layout: a PP 2 x FSDP 2 checkpoint continues under
     FSDP 4 and PP 2 x TP 2, an FSDP 4 one under PP 2 x TP 2, each within reduction-order
     rounding of the uninterrupted run (measured <= 1.6e-7)."""
-    a, b = metrics(pp_runs / ref if ref else fsdp4_ref), metrics(pp_runs / run)
+    pp = runs / "pp"
+    a, b = metrics(pp / ref if ref else runs / "fsdp4_ref"), metrics(pp / run)
     assert sorted(b) == list(range(7, 13))
     devs = {s: abs(a[s] - b[s]) / abs(a[s]) for s in b}
     print(f"{run}: relative loss deviation per step {devs}")
