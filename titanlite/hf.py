@@ -6,7 +6,7 @@ RoPE: titanlite (like Meta) rotates interleaved pairs (2i, 2i+1) of each head; H
 pairs i with i + head_dim/2. The q/k projection rows are permuted within each head so both give
 the same logits. Used by scripts/convert_checkpoint.py and by the trainer's checkpoints
 (`titanlite.checkpoint.hf`); nothing here knows about ranks. `args` is the llama3 family's
-ModelArgs (models/__init__.py registers `hf_name` as its HF name map).
+ModelArgs.
 """
 
 import json

@@ -2,7 +2,9 @@
 
 A family lives in its own folder and registers itself there; the one import line at the bottom
 of this file loads it. The trainer, the dry run, the estimator, the HF converter and generate.py
-ask `get_family(cfg.model.name)` and never import a family's modules directly.
+ask `get_family(cfg.model.name)` and never import a family's modules directly. Hugging Face
+conversion (titanlite/hf.py) is Llama 3's key map: the record gains an HF field with the first
+family whose HF layout differs.
 """
 
 from collections.abc import Callable, Mapping
@@ -29,7 +31,6 @@ class ModelFamily:
     pipeline: Callable[..., nn.Module]
     tensor_parallel: Callable[..., None]  # (model, tp_mesh, shard_logits): TP alone (inference)
     flops_per_token: Callable[[int, object, int], int]  # (params w/o embedding, args, seq_len)
-    hf_name: Callable[..., tuple[str, int | None]] | None = None  # ours -> HF's name, rope heads
 
 
 FAMILIES: dict[str, ModelFamily] = {}

@@ -1,6 +1,5 @@
 """Llama 3 (Meta's architecture, plain PyTorch), registered as model.name "llama3"."""
 
-from titanlite.hf import hf_name
 from titanlite.metrics import num_flops_per_token
 from titanlite.models import ModelFamily, register
 from titanlite.models.llama.args import LLAMA3_FLAVORS, get_model_args
@@ -27,6 +26,5 @@ LLAMA3 = register(
         pipeline=pipeline_llama,
         tensor_parallel=apply_tp,
         flops_per_token=num_flops_per_token,
-        hf_name=hf_name,
     )
 )
