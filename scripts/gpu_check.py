@@ -11,8 +11,9 @@ to {out}/results.jsonl, so stages run by separate commands accumulate; {out}/tab
 latest row of every run as a markdown table for docs/performance.md, and is printed.
 
 Pass rules: a training run passes when it exits 0, logged steps, and its last loss is below its
-first; with an estimate, the estimator's peak (less its fixed CUDA-context allowance, which the
-allocator's reserved bytes do not include) is within 15% of the measured peak reserved memory. A
+first; with an estimate, the estimator's peak (less any allowance it adds for the CUDA context
+and NCCL, which the allocator's reserved bytes do not include) is within 15% of the measured peak
+reserved memory. A
 comparison passes when two runs' losses after step k are bitwise equal. A run skips (never fails)
 when its estimate exceeds the GPU's memory or it needs float8 where torchao or an sm89+ GPU is
 missing. Offline: nothing is downloaded (the data is the embedded corpus, the tokenizer

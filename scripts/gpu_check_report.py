@@ -86,8 +86,9 @@ def same_losses(a: list[dict], b: list[dict], after: int = 0) -> tuple[str, str]
 
 
 def parse_estimate(text: str) -> float | None:
-    """Peak GiB from estimate_memory.py's table, less its 'context / NCCL / slack' row: memory
-    outside the caching allocator, which the measured peak reserved does not include."""
+    """Peak GiB from estimate_memory.py's table, less a 'context / NCCL / slack' row where the
+    estimator has one: memory outside the caching allocator, which the measured peak reserved
+    does not include."""
     total = re.search(r"^total \(estimated peak per rank\)\s+([\d.]+)\s*$", text, re.M)
     if total is None:
         return None
@@ -138,7 +139,8 @@ def format_table(rows: list[dict], common_args: str) -> str:
     head = [
         f"Common to every train.py row: `{common_args}`; tokens/s and MFU are medians "
         f"per GPU without the first {WARMUP_STEPS} steps; memory is the peak over all steps; "
-        "est. = scripts/estimate_memory.py less its CUDA-context allowance.",
+        "est. = scripts/estimate_memory.py's peak, less any allowance it adds for memory outside "
+        "the allocator (CUDA context, NCCL).",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

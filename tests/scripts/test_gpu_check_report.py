@@ -99,10 +99,18 @@ def test_parse_estimate_reads_estimate_memory_output(capsys):
     assert estimate_memory.main(argv) == 0
     text = capsys.readouterr().out
     total = float(text.split("total (estimated peak per rank)")[1].split()[0])
-    context = float(text.split("context / NCCL / slack")[1].split()[0])
-    assert context > 0  # the CUDA allowance the measured reserved memory does not include
-    assert report.parse_estimate(text) == pytest.approx(total - context)
+    rows = dict(line.rsplit(None, 1) for line in text.splitlines() if line.startswith("context"))
+    allowance = float(rows.get("context / NCCL / slack", 0))
+    assert 0 < report.parse_estimate(text) == pytest.approx(total - allowance)
     assert report.parse_estimate("estimate_memory: error: bad flag") is None
+
+
+def test_parse_estimate_leaves_out_memory_outside_the_allocator():
+    row = "{:<34} {:>9.3f}".format
+    table = [row("params (fp32, sharded)", 10.0), row("context / NCCL / slack", 2.0)]
+    total = row("total (estimated peak per rank)", 12.0)
+    assert report.parse_estimate("\n".join([*table, total])) == 10.0
+    assert report.parse_estimate("\n".join([table[0], total])) == 12.0
 
 
 def test_bench_loss_note():
