@@ -334,6 +334,9 @@ def run_stage(name: str, machine: Machine, out: Path, timeout_s: float) -> list[
         why = f" ({row['why']})" if row.get("why") else ""
         print(f"[{name}] {row['name']}: {row['result']}{why} [{time.perf_counter() - t0:.0f} s]",
               flush=True)  # fmt: skip
+        log = out / "runs" / row["name"] / "log"
+        if row.get("rc") and log.exists():  # the error itself, where only this output comes back
+            print("    " + "\n    ".join(log.read_text().splitlines()[-8:]), flush=True)
         rows.append(row)
     return rows
 
