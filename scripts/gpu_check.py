@@ -179,7 +179,7 @@ def multi_stage(m: Machine) -> list:
     n = m.ngpu - m.ngpu % 2
     one_b = (*REAL, "--model.flavor", "1B", *SAC, *CHUNK)
     par = "--parallelism."
-    runs = [
+    return [
         Run(f"1B_fsdp{n}", one_b, nproc=n, estimate=True),
         Run("1B_tp2", (*one_b, par + "tensor_parallel_degree", "2"), nproc=n, estimate=True),
         Run("1B_pp2", (*one_b, par + "pipeline_parallel_degree", "2"), nproc=n),
@@ -191,7 +191,6 @@ def multi_stage(m: Machine) -> list:
                                 "--quantize.linear.float8.enable_fsdp_float8_all_gather"),
             nproc=n, float8=True),
     ]  # fmt: skip
-    return runs
 
 
 def eight_b_stage(m: Machine) -> list:
