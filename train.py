@@ -26,6 +26,7 @@ from titanlite.checks import (
     check_attention_device,
     check_float8_device,
     check_job,
+    check_offload_device,
     check_single_process,
 )
 from titanlite.config import ConfigError, JobConfig
@@ -152,6 +153,7 @@ class Trainer:
         # Not in the dry run, whose CPU plays the GPUs.
         check_float8_device(cfg, self.device)
         check_attention_device(job.model_args, self.device)
+        check_offload_device(cfg, job.parallel_dims, self.device, torch.__version__)
         pd = self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
