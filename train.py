@@ -42,7 +42,7 @@ from titanlite.distributed import (
     world_sum,
 )
 from titanlite.dry_run import dry_run, write_seed_checkpoint
-from titanlite.float8 import float8_after_optimizer_step
+from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.loss import IGNORE_INDEX
 from titanlite.metrics import (
     DeviceMemoryMonitor,
@@ -207,7 +207,9 @@ class Trainer:
         self.log_schedule = Every(cfg.metrics.log_freq, t.steps, first=True)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_log_rank)
         self.memory = DeviceMemoryMonitor(self.device)
-        self.peak_flops = get_peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
+        self.peak_flops = get_peak_flops(
+            self.device, self.compute_dtype, cfg.metrics.peak_tflops, float8_enabled(cfg)
+        )
         self.flops_per_token = get_family(cfg.model.name).flops_per_token(
             count_params(cfg, self.model_args, exclude_embedding=True), self.model_args, t.seq_len
         )

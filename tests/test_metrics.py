@@ -21,6 +21,15 @@ def test_peak_override_wins():
     assert metrics.get_peak_flops(torch.device("cpu"), torch.float32, 123.0) == 123e12
 
 
+def test_float8_reports_no_mfu_and_says_why(monkeypatch, caplog):
+    _fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3")
+    with caplog.at_level(logging.INFO, logger="titanlite.metrics"):
+        assert metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16, float8=True) is None
+    assert "MFU not reported: float8" in caplog.text
+    # A peak the user names (the float8 one, say) is theirs to measure against.
+    assert metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16, 1979.0, True) == 1979e12
+
+
 def _fake_cuda(monkeypatch, name):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)

@@ -61,6 +61,15 @@ def device_and_backend(local_rank: int, cpu_backend: bool, cuda: bool) -> tuple[
     return torch.device("cuda", local_rank), "cuda:nccl,cpu:gloo" if cpu_backend else "nccl"
 
 
+def device_backend(group, device_type: str) -> str:
+    """The backend `group` runs `device_type`'s tensors on. dist.get_backend names one ("nccl")
+    or, for a group made with several (FSDP's CPU offload on CUDA), the list
+    "cuda:nccl,cpu:gloo"."""
+    backend = str(dist.get_backend(group))
+    per_device = dict(part.split(":") for part in backend.split(",") if ":" in part)
+    return per_device.get(device_type, backend)
+
+
 def init_fake_distributed(rank: int, world_size: int) -> tuple[int, int, int, torch.device]:
     """One process plays `rank` of `world_size` over torch's fake process group: collectives
     return at once without moving data, so meshes, DTensor and FSDP build exactly as on the

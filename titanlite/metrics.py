@@ -59,12 +59,14 @@ def num_flops_per_token(num_params: int, model_args, seq_len: int) -> int:
 
 
 def get_peak_flops(
-    device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0
+    device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0, float8: bool = False
 ) -> float | None:
     """Peak FLOP/s of one device for MFU, or None when unknown (then no MFU is reported).
 
-    override_tflops > 0 wins. On GPU the table holds bf16 dense peaks; fp32 training is also
-    measured against the bf16 peak (as torchtitan does), since bf16 is what the hardware is for.
+    override_tflops > 0 wins. With float8 linears there is no peak to report against (None, and
+    the log says why), as torchtitan does. On GPU the table holds bf16 dense peaks; fp32 training
+    is also measured against the bf16 peak (as torchtitan does), since bf16 is what the hardware
+    is for.
     On CPU there is no datasheet number we can trust, so we calibrate (see _calibrate_cpu) in
     `dtype`, the dtype training computes in (resolve_param_dtype's result): a native-bf16 CPU's
     bf16 peak is several times its fp32 peak. Emulated bf16 (an AVX2 CPU) has no peak of its own:
@@ -73,6 +75,13 @@ def get_peak_flops(
     """
     if override_tflops > 0:
         return override_tflops * 1e12
+    if float8:
+        logger.info(
+            "MFU not reported: float8 linears run at up to twice the bf16 peak the device table "
+            "holds, while attention and the unconverted linears do not, so no one peak fits; "
+            "--metrics.peak_tflops sets the peak to measure against"
+        )
+        return None
     device = torch.device(device)
     if device.type == "cpu":
         if dtype == torch.bfloat16 and not has_fast_bf16(device):
