@@ -54,7 +54,7 @@ from titanlite.metrics import (
 from titanlite.models import get_family
 from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import loss_parallel_ctx
-from titanlite.precision import resolve_param_dtype
+from titanlite.precision import apply_tf32, resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titanlite.train_state import TrainState
@@ -173,6 +173,7 @@ class Trainer:
                 t, cfg.validation, job.tokenizer, **ranks, vocab_size=vocab
             )
         self.compute_dtype = resolve_param_dtype(t.mixed_precision_param, self.device)
+        apply_tf32(t.allow_tf32, self.device)
         # FSDP can skip the reduce-scatter of all but the last microbatch (more memory).
         self.sync_only_last = t.accumulation_sync == "last" and pd.fsdp_enabled
         self.model = build_model(

@@ -32,8 +32,18 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        **impl[cfg.implementation],
+        **impl[resolve_implementation(cfg.implementation, params)],
     )
+
+
+def resolve_implementation(choice: str, params: list[torch.Tensor]) -> str:
+    """ "auto": fused where every parameter is on CUDA (one kernel per parameter group, as
+    torchtitan's default), else foreach. torch's fused CPU kernel is not bitwise foreach's (a few
+    ulps apart after a step), and CPU offload keeps the parameters on the CPU: foreach there."""
+    if choice != "auto":
+        return choice
+    on_cuda = params and all(p.device.type == "cuda" for p in params)
+    return "fused" if on_cuda else "foreach"
 
 
 class StepInBackward:
