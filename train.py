@@ -48,6 +48,7 @@ from titanlite.metrics import (
     DeviceMemoryMonitor,
     MetricsLogger,
     compute_throughput,
+    default_expandable_segments,
     get_peak_flops,
     init_logger,
 )
@@ -361,6 +362,7 @@ def main(argv=None) -> int:
         except ConfigError as e:
             print(f"titanlite: error: {e}", file=sys.stderr)
             return 2
+    default_expandable_segments(os.environ, torch.cuda.is_available())
     dist_env = init_distributed(cpu_backend=cfg.training.enable_cpu_offload)
     rank = dist_env[0]
     init_logger(rank, int(os.environ.get("LOG_RANK", 0)))
