@@ -26,6 +26,7 @@ from titanlite.checks import (
     check_attention_device,
     check_float8_device,
     check_job,
+    check_offload_device,
     check_single_process,
 )
 from titanlite.config import ConfigError, JobConfig
@@ -41,19 +42,20 @@ from titanlite.distributed import (
     world_sum,
 )
 from titanlite.dry_run import dry_run, write_seed_checkpoint
-from titanlite.float8 import float8_after_optimizer_step
+from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.loss import IGNORE_INDEX
 from titanlite.metrics import (
     DeviceMemoryMonitor,
     MetricsLogger,
     compute_throughput,
+    default_expandable_segments,
     get_peak_flops,
     init_logger,
 )
 from titanlite.models import get_family
 from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import loss_parallel_ctx
-from titanlite.precision import resolve_param_dtype
+from titanlite.precision import apply_tf32, resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titanlite.train_state import TrainState
@@ -152,6 +154,7 @@ class Trainer:
         # Not in the dry run, whose CPU plays the GPUs.
         check_float8_device(cfg, self.device)
         check_attention_device(job.model_args, self.device)
+        check_offload_device(cfg, job.parallel_dims, self.device, torch.__version__)
         pd = self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
@@ -171,6 +174,7 @@ class Trainer:
                 t, cfg.validation, job.tokenizer, **ranks, vocab_size=vocab
             )
         self.compute_dtype = resolve_param_dtype(t.mixed_precision_param, self.device)
+        apply_tf32(t.allow_tf32, self.device)
         # FSDP can skip the reduce-scatter of all but the last microbatch (more memory).
         self.sync_only_last = t.accumulation_sync == "last" and pd.fsdp_enabled
         self.model = build_model(
@@ -205,7 +209,9 @@ class Trainer:
         self.log_schedule = Every(cfg.metrics.log_freq, t.steps, first=True)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_log_rank)
         self.memory = DeviceMemoryMonitor(self.device)
-        self.peak_flops = get_peak_flops(self.device, self.compute_dtype, cfg.metrics.peak_tflops)
+        self.peak_flops = get_peak_flops(
+            self.device, self.compute_dtype, cfg.metrics.peak_tflops, float8_enabled(cfg)
+        )
         self.flops_per_token = get_family(cfg.model.name).flops_per_token(
             count_params(cfg, self.model_args, exclude_embedding=True), self.model_args, t.seq_len
         )
@@ -356,6 +362,7 @@ def main(argv=None) -> int:
         except ConfigError as e:
             print(f"titanlite: error: {e}", file=sys.stderr)
             return 2
+    default_expandable_segments(os.environ, torch.cuda.is_available())
     dist_env = init_distributed(cpu_backend=cfg.training.enable_cpu_offload)
     rank = dist_env[0]
     init_logger(rank, int(os.environ.get("LOG_RANK", 0)))

@@ -8,7 +8,9 @@ Every train.py option is accepted (same parser). Extra options, stripped before 
   --world_size N    number of ranks (default 1)
   --vocab_size N    skip building the tokenizer (default: its padded size; Llama 3's 128256 when
                     the configured tokenizer file is missing, e.g. on a laptop)
-  --device cpu      no CUDA context allowance or fragmentation factor
+  --device cpu      no fragmentation factor (the peak RSS of a CPU run)
+On CUDA the estimate is the caching allocator's peak reserved memory, what train.py logs as mem
+(`memory_gib`); the CUDA context and NCCL's buffers come on top of it, outside the allocator.
   --measure N       (one process, CPU) also run N real training steps in this process and
                     print the measured peak RSS above the baseline taken after the tokenizer
                     and data loader are built but before the model is (validation)
@@ -143,6 +145,11 @@ def main(argv: list[str]) -> int:
     else:
         print(est.table())
     print(f"estimated peak per rank: {est.total / GIB:.1f} GiB")
+    if s.device == "cuda":
+        print(
+            "(peak reserved by torch's allocator: compare with train.py's logged mem; the CUDA "
+            "context and NCCL's buffers come on top, outside the allocator, not estimated)"
+        )
     if extra.get("measure"):
         measured = measure(cfg, extra["measure"])
         err = 100 * (est.total - measured) / measured

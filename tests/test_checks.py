@@ -2,8 +2,9 @@
 check_job), each one ConfigError that names the fix; ParallelDims built from the config."""
 
 import pytest
+import torch
 
-from titanlite.checks import check_job, resolve_global_batch
+from titanlite.checks import check_job, check_offload_device, resolve_global_batch
 from titanlite.config import ConfigError, Parallelism, Training
 from titanlite.config_parse import parse_args
 from titanlite.parallel_dims import ParallelDims
@@ -75,3 +76,34 @@ def test_check_job_resolves_the_layout_and_refuses_a_world_it_does_not_fit():
     cfg.parallelism.tensor_parallel_degree = 3
     with pytest.raises(ConfigError, match="world size 2"):
         check_job(cfg, world_size=2)
+
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "argv, device, version, expected",
+    [
+        (["--optimizer.early_step_in_backward"], CUDA, "2.11.0+cu130", "fixed in 2.12"),
+        (["--optimizer.early_step_in_backward"], CUDA, "2.12.0", None),
+        (["--optimizer.early_step_in_backward"], CPU, "2.11.0", None),  # nothing pinned on CPU
+        (["--parallelism.data_parallel_replicate_degree", "2"], CUDA, "2.13.0", "HSDP"),
+        (["--parallelism.data_parallel_replicate_degree", "2"], CPU, "2.13.0", None),
+        ([], CUDA, "2.11.0", None),
+    ],
+)  # fmt: skip
+def test_cpu_offload_races_are_refused_on_cuda(argv, device, version, expected):
+    base = ["--training.enable_cpu_offload", "--training.max_norm", "0"]
+    cfg = parse_args(base + argv)
+    pd = ParallelDims.from_config(cfg.parallelism, world_size=4)
+    if expected is None:
+        check_offload_device(cfg, pd, device, version)
+        return
+    with pytest.raises(ConfigError, match=expected) as info:
+        check_offload_device(cfg, pd, device, version)
+    assert "\n" not in str(info.value)
+
+
+def test_no_offload_no_offload_check():
+    cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "2"])
+    check_offload_device(cfg, ParallelDims.from_config(cfg.parallelism, 4), CUDA, "2.11.0")

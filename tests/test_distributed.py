@@ -10,7 +10,14 @@ import torch
 from conftest import torchrun_script
 from torch import nn
 
-from titanlite.distributed import clip_grad_norm_, destroy, dist_sum, init_distributed, world_sum
+from titanlite.distributed import (
+    clip_grad_norm_,
+    destroy,
+    device_and_backend,
+    dist_sum,
+    init_distributed,
+    world_sum,
+)
 
 
 def make_grads(seed=0):
@@ -38,6 +45,33 @@ def test_plain_python_is_world_one(monkeypatch):
         destroy()
     assert not torch.distributed.is_initialized()
     destroy()  # no process group left: a no-op
+
+
+@pytest.mark.parametrize(
+    "cuda, cpu_backend, expected",
+    [
+        (True, False, ("cuda:1", "nccl")),
+        (True, True, ("cuda:1", "cuda:nccl,cpu:gloo")),  # FSDP's CPU offload reduces CPU grads
+        (False, True, ("cpu", "gloo")),
+    ],
+)
+def test_device_and_backend_follow_what_is_present(cuda, cpu_backend, expected):
+    device, backend = device_and_backend(1, cpu_backend, cuda)
+    assert (str(device), backend) == expected
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_nccl_communicator_starts_eagerly_only_on_cuda(cuda, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    init_distributed()
+    assert calls[0]["device_id"] == (torch.device("cuda", 0) if cuda else None)
 
 
 def test_clip_matches_torch():

@@ -54,9 +54,10 @@ def test_filter_fqns_keep_matching_linears_in_high_precision():
         (["--quantize.linear.float8.recipe_name", "rowwise"], "nccl", False),  # scales per row
         (["--quantize.linear.float8.filter_fqns", "output,w2"], "nccl", False),  # a plain linear
         ([], "gloo", False),  # gloo cannot all-gather float8 tensors ("Invalid scalar type")
+        ([], "cuda:nccl,cpu:gloo", True),  # CPU offload adds gloo for the CPU grads
         (None, "nccl", False),  # no float8 at all
     ],
-    ids=["tensorwise_nccl", "rowwise", "partly_float8", "gloo", "plain_model"],
+    ids=["tensorwise_nccl", "rowwise", "partly_float8", "gloo", "offload_nccl", "plain_model"],
 )
 def test_tp_styles_cast_before_all_gather_only_for_tensorwise_float8_on_nccl(
     extra, backend, float8_styles, monkeypatch
@@ -65,7 +66,8 @@ def test_tp_styles_cast_before_all_gather_only_for_tensorwise_float8_on_nccl(
     if extra is not None:
         maybe_convert_float8(model, parse_args([*F8, *extra]))
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group: backend)
-    styles = tp_styles(model.layers, SimpleNamespace(get_group=lambda: None))
+    mesh = SimpleNamespace(get_group=lambda: None, device_type="cuda")
+    styles = tp_styles(model.layers, mesh)
     names = [style.__name__ for style in styles]
     expected = ["ColwiseParallel", "RowwiseParallel", "PrepareModuleInput"]
     if float8_styles:

@@ -16,6 +16,7 @@ from titanlite.memory_estimate import (
     block_activation_elems,
     estimate,
     estimate_stages,
+    fsdp_buffer_bytes,
     loss_bytes,
     param_counts,
     setup_from_config,
@@ -134,6 +135,17 @@ def test_cpu_offload_keeps_params_grads_and_states_off_the_device():
             assert [offloaded[k] for k in kept] == [estimate(fp32).rows[k] for k in kept]
     cfg = parse_args(["--training.enable_cpu_offload"])
     assert setup_from_config(cfg, 2, model_args_for_vocab(cfg, 128)).cpu_offload
+
+
+def test_cuda_estimate_is_the_allocator_figure_the_log_reports():
+    """Sharded state plus the step's working set with the fragmentation factor: what the caching
+    allocator reserves (train.py's memory_gib), with nothing added for the CUDA context or NCCL,
+    which live outside the allocator."""
+    s = setup(dp_shard=2)
+    rows = estimate(s).rows
+    persistent = ("params (fp32, sharded)", "grads (fp32, sharded)", "AdamW states (2 x fp32)")
+    working = fsdp_buffer_bytes(param_counts(ARGS), s) + activation_bytes(s) + loss_bytes(s)
+    assert sum(rows.values()) - sum(rows[k] for k in persistent) == pytest.approx(1.1 * working)
 
 
 def test_bad_setup_is_a_value_error():

@@ -21,6 +21,15 @@ def test_peak_override_wins():
     assert metrics.get_peak_flops(torch.device("cpu"), torch.float32, 123.0) == 123e12
 
 
+def test_float8_reports_no_mfu_and_says_why(monkeypatch, caplog):
+    _fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3")
+    with caplog.at_level(logging.INFO, logger="titanlite.metrics"):
+        assert metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16, float8=True) is None
+    assert "MFU not reported: float8" in caplog.text
+    # A peak the user names (the float8 one, say) is theirs to measure against.
+    assert metrics.get_peak_flops(torch.device("cuda", 0), torch.bfloat16, 1979.0, True) == 1979e12
+
+
 def _fake_cuda(monkeypatch, name):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
@@ -96,8 +105,11 @@ def _fake_cuda_memory(monkeypatch, counts: dict) -> metrics.DeviceMemoryMonitor:
     )
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: None)
     monkeypatch.setattr(
-        torch.cuda, "memory_stats", lambda d: {"reserved_bytes.all.peak": 60 * 2**30, **counts}
-    )
+        torch.cuda,
+        "memory_stats",
+        lambda d: {"reserved_bytes.all.peak": 60 * 2**30, "active_bytes.all.peak": 45 * 2**30,
+                   **counts},
+    )  # fmt: skip
     return metrics.DeviceMemoryMonitor(torch.device("cuda", 0))
 
 
@@ -113,7 +125,8 @@ def test_allocator_retries_and_ooms_warn_when_they_grow(monkeypatch, caplog):
         return values, [r.getMessage() for r in caplog.records]
 
     values, warnings = log()
-    assert values == {"memory_gib": 60.0, "alloc_retries": 0, "ooms": 0} and not warnings
+    expected = {"memory_gib": 60.0, "memory_active_gib": 45.0, "alloc_retries": 0, "ooms": 0}
+    assert values == expected and not warnings
     values, warnings = log(num_alloc_retries=3)
     assert values["alloc_retries"] == 3 and len(warnings) == 1
     assert "3 more allocation retries (3 in all), 0 more out-of-memory" in warnings[0]
@@ -132,6 +145,7 @@ def test_cpu_monitor_logs_zero_counts_and_no_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="titanlite.metrics"):
         values = monitor.log_values()
     assert values["memory_gib"] > 0 and values["alloc_retries"] == values["ooms"] == 0
+    assert "memory_active_gib" not in values  # the peak RSS is one number
     assert not caplog.records
 
 
@@ -145,7 +159,8 @@ def test_logger_writes_jsonl_exactly_and_tensorboard(tmp_path, caplog):
     sink = metrics.MetricsLogger(_cfg(), str(tmp_path), enabled=True)
     with caplog.at_level(logging.INFO, logger="titanlite.metrics"):
         sink.log(10, {"loss": torch.tensor(loss, dtype=torch.float64), "lr": 8e-4, "mfu": None})
-        sink.log(20, {"loss": 1 / 3, "val_loss": 2.5, "wps": 2345.6})
+        sink.log(20, {"loss": 1 / 3, "val_loss": 2.5, "wps": 2345.6, "memory_gib": 60.0,
+                      "memory_active_gib": 45.0})  # fmt: skip
     sink.close()
 
     lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -153,11 +168,13 @@ def test_logger_writes_jsonl_exactly_and_tensorboard(tmp_path, caplog):
     assert lines[0]["loss"] == loss and lines[1]["loss"] == 1 / 3
     assert lines[0]["mfu"] is None and lines[0]["grad_norm"] is None
     assert "val_loss" not in lines[0] and lines[1]["val_loss"] == 2.5
+    assert "memory_active_gib" not in lines[0] and lines[1]["memory_active_gib"] == 45.0
     assert list(lines[0])[:2] == ["step", "loss"]
 
     console = caplog.records[0].getMessage()
     assert "loss  7.1235" in console and "lr 8.0e-04" in console and "mfu" not in console
     assert "wps 2,346" in caplog.records[1].getMessage()
+    assert "mem 60.00GiB  active 45.00GiB" in caplog.records[1].getMessage()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
@@ -182,3 +199,20 @@ def test_init_logger_levels(monkeypatch):
     finally:
         root.handlers[:] = saved[1]
         root.setLevel(saved[0])
+
+
+@pytest.mark.parametrize(
+    "environ, cuda, expected",
+    [
+        ({}, True, "expandable_segments:True"),
+        ({}, False, None),  # CPU: nothing to set
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, True, "max_split_size_mb:128"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": ""}, True, ""),  # empty: torch's own default, kept
+        ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, True, None),  # torch's generic name
+    ],
+)
+def test_expandable_segments_unless_the_user_configured_the_allocator(environ, cuda, expected):
+    before = dict(environ)
+    metrics.default_expandable_segments(environ, cuda)
+    assert environ.get("PYTORCH_CUDA_ALLOC_CONF") == expected
+    assert {k: v for k, v in environ.items() if k in before} == before

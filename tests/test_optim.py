@@ -4,7 +4,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
+from titanlite.optim import (
+    StepInBackward,
+    build_lr_scheduler,
+    build_optimizer,
+    resolve_implementation,
+)
 
 
 def sched_cfg(**kw):
@@ -15,7 +20,7 @@ def sched_cfg(**kw):
 def opt_cfg(**kw):
     base = dict(
         name="AdamW", lr=1.0, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-        implementation="foreach",
+        implementation="auto",
     )  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
@@ -30,6 +35,15 @@ def lrs(sched_kw, total):
         opt.step()
         sched.step()
     return out
+
+
+def test_auto_implementation_is_fused_only_where_every_parameter_is_on_cuda():
+    cuda, cpu = (SimpleNamespace(device=torch.device(d)) for d in ("cuda", "cpu"))
+    assert resolve_implementation("auto", [cuda, cuda]) == "fused"
+    assert resolve_implementation("auto", [cuda, cpu]) == "foreach"  # CPU offload keeps some
+    assert resolve_implementation("for-loop", [cuda]) == "for-loop"
+    opt = build_optimizer(torch.nn.Linear(2, 2), opt_cfg())  # on CPU: foreach, as before
+    assert opt.defaults["foreach"] and not opt.defaults["fused"]
 
 
 def test_warmup_then_linear_decay_to_zero():

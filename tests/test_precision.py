@@ -96,3 +96,17 @@ def test_cpu_peak_is_the_compute_dtype_s_where_native_else_fp32(monkeypatch, nat
     assert peak > 0 and math.isfinite(peak)
     calibrated = torch.bfloat16 if native else torch.float32
     assert list(metrics._cpu_peak_cache) == [(calibrated, torch.get_num_threads())]
+
+
+@pytest.mark.parametrize("allow, device, expected", [
+    (True, "cuda", True), (True, "cpu", False), (False, "cuda", False),
+])  # fmt: skip
+def test_tf32_only_when_asked_and_only_on_cuda(allow, device, expected):
+    matmul = torch.backends.cuda.matmul  # a module-like object monkeypatch cannot patch
+    assert not matmul.allow_tf32  # torch's default
+    try:
+        precision.apply_tf32(allow, torch.device(device))
+        assert matmul.allow_tf32 is expected
+    finally:
+        matmul.allow_tf32 = False
+    assert parse_args(["--training.allow_tf32"]).training.allow_tf32

@@ -1,6 +1,7 @@
 """train.py's step, in process: its pieces are plain functions, and the hot path syncs the host
 with the device once per step (reading "finite?" and "stop?" together)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -96,3 +97,28 @@ def test_an_internal_error_keeps_its_traceback(tmp_path, monkeypatch):
     argv = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
     with pytest.raises(ValueError, match="a bug"):
         train.main([*argv, "--training.seq_len", "32", "--job.dump_folder", str(tmp_path)])
+
+
+@pytest.mark.parametrize("user", [None, "max_split_size_mb:64"])
+def test_main_sets_expandable_segments_before_cuda_starts_unless_the_user_did(user, monkeypatch):
+    """Plain torchrun gets the allocator setting too, by the time init_distributed picks the
+    device; a user's own setting is kept."""
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def init_distributed(**_):
+        seen.update(os.environ)
+        raise Started
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")  # recorded as unset, so teardown removes what main sets
+        monkeypatch.delenv(name)
+    if user:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(train, "init_distributed", init_distributed)
+    with pytest.raises(Started):
+        train.main(["--model.vocab_limit", "512"])
+    assert seen.get("PYTORCH_CUDA_ALLOC_CONF") == (user or "expandable_segments:True")

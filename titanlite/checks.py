@@ -6,6 +6,7 @@ import os
 from typing import NamedTuple
 
 import torch
+from torch.torch_version import TorchVersion
 
 from titanlite.build import model_args_for
 from titanlite.config import Checkpoint, ConfigError, JobConfig, Optimizer, Training
@@ -248,6 +249,32 @@ def check_float8_device(cfg, device: torch.device) -> None:
         "add --quantize.linear.float8.emulate (same numerics with ordinary matmuls, slower: "
         f"for testing) or drop {FLOAT8} from model.converters"
     )
+
+
+def check_offload_device(
+    cfg: JobConfig, parallel_dims: ParallelDims, device: torch.device, torch_version: str
+) -> None:
+    """FSDP2's CPU offload on CUDA copies each gradient to pinned host memory without blocking,
+    and two of its users read the copy before it has landed: silently wrong gradients. Not on
+    CPU, where nothing is pinned and every copy is done when it returns."""
+    if not cfg.training.enable_cpu_offload or device.type != "cuda":
+        return
+    if parallel_dims.dp_replicate > 1:
+        # The reduce-scatter's output is reused while the all-reduce's copy to the host still
+        # reads it (PyTorch PR 180665); no released torch is known to carry the fix.
+        raise ConfigError(
+            "HSDP (parallelism.data_parallel_replicate_degree > 1) with "
+            "--training.enable_cpu_offload corrupts gradients on CUDA (FSDP2 reuses a buffer "
+            "its device-to-host copy still reads): set "
+            "--parallelism.data_parallel_replicate_degree 1 or drop training.enable_cpu_offload"
+        )
+    if cfg.optimizer.early_step_in_backward and TorchVersion(torch_version) < (2, 12):
+        # Post-accumulate-grad hooks run before the copy is done (fixed by PyTorch PR 180666).
+        raise ConfigError(
+            "--optimizer.early_step_in_backward with --training.enable_cpu_offload steps on "
+            f"partly copied gradients on CUDA with torch {torch_version} (fixed in 2.12): drop "
+            "one of the two, or use torch >= 2.12"
+        )
 
 
 def check_attention_device(model_args, device: torch.device) -> None:

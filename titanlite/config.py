@@ -73,9 +73,9 @@ class Optimizer:
     eps: float = opt(1e-8, "Adam epsilon")
     weight_decay: float = opt(0.1, "Decoupled weight decay")
     implementation: str = opt(
-        "foreach",
-        "How the update runs over the parameters",
-        choices=("foreach", "fused", "for-loop"),
+        "auto",
+        "How the update runs over the parameters (auto: fused if all are on CUDA, else foreach)",
+        choices=("auto", "foreach", "fused", "for-loop"),
     )
     early_step_in_backward: bool = opt(
         False, "Step each parameter as soon as its gradient is ready in backward, then free it"
@@ -137,6 +137,9 @@ class Training:
         "Compute dtype of parameters in forward/backward; auto = bfloat16 where the device has "
         "fast bf16 (CUDA, CPU with AVX512-BF16/AMX), else float32",
         choices=("auto", *DTYPE_CHOICES),
+    )
+    allow_tf32: bool = opt(
+        False, "Run float32 matmuls on CUDA in TF32 (10-bit mantissa): faster, less exact"
     )
     mixed_precision_reduce: str = opt(
         "float32", "Dtype of gradient reductions", choices=DTYPE_CHOICES

@@ -32,23 +32,42 @@ def init_distributed(cpu_backend: bool = False) -> tuple[int, int, int, torch.de
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if launched else 0
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched else 1
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        backend = "cuda:nccl,cpu:gloo" if cpu_backend else "nccl"
+    device, backend = device_and_backend(local_rank, cpu_backend, torch.cuda.is_available())
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    elif "OMP_NUM_THREADS" not in os.environ:
         # N ranks on one host each defaulting to all cores oversubscribe the CPU badly; an explicit
         # OMP_NUM_THREADS (torchrun sets 1 when it starts >1 process) is the user's choice and wins.
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(cpus_per_local_rank())
+        torch.set_num_threads(cpus_per_local_rank())
 
     if not dist.is_initialized():
+        # A device_id makes NCCL form the communicator now, and the mesh's groups split from it
+        # (ncclCommSplit) instead of each bootstrapping its own at first use: a faster start at
+        # scale, and a bad NCCL setup fails here. gloo takes none.
+        device_id = device if device.type == "cuda" else None
         if launched:
-            _init_process_group(backend)
+            _init_process_group(backend, device_id)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
+            )
     return rank, local_rank, world_size, device
+
+
+def device_and_backend(local_rank: int, cpu_backend: bool, cuda: bool) -> tuple[torch.device, str]:
+    """This rank's device and process-group backend, where CUDA is present or not."""
+    if not cuda:
+        return torch.device("cpu"), "gloo"
+    return torch.device("cuda", local_rank), "cuda:nccl,cpu:gloo" if cpu_backend else "nccl"
+
+
+def device_backend(group, device_type: str) -> str:
+    """The backend `group` runs `device_type`'s tensors on. dist.get_backend names one ("nccl")
+    or, for a group made with several (FSDP's CPU offload on CUDA), the list
+    "cuda:nccl,cpu:gloo"."""
+    backend = str(dist.get_backend(group))
+    per_device = dict(part.split(":") for part in backend.split(",") if ":" in part)
+    return per_device.get(device_type, backend)
 
 
 def init_fake_distributed(rank: int, world_size: int) -> tuple[int, int, int, torch.device]:
@@ -61,7 +80,7 @@ def init_fake_distributed(rank: int, world_size: int) -> tuple[int, int, int, to
     return rank, 0, world_size, torch.device("cpu")
 
 
-def _init_process_group(backend: str) -> None:
+def _init_process_group(backend: str, device_id: torch.device | None) -> None:
     """init_process_group on torchrun's store, namespaced by the elastic restart count.
 
     After `torchrun --max-restarts` restarts a group, the agent's store still holds the previous
@@ -72,7 +91,9 @@ def _init_process_group(backend: str) -> None:
     store, rank, world_size = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"titanlite/attempt_{attempt}/", store)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, device_id=device_id
+    )
 
 
 def destroy(barrier: bool = True) -> None:

@@ -19,13 +19,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from titanlite.config import ConfigError
+from titanlite.distributed import device_backend
 
 logger = logging.getLogger("titanlite")
 
@@ -130,7 +130,7 @@ def tp_styles(modules: nn.Module, tp_mesh: DeviceMesh) -> tuple[type, type, type
     all-gather float8 tensors: "Invalid scalar type")."""
     linears = [m for m in modules.modules() if isinstance(m, nn.Linear)]
     float8 = linears and all(_tensorwise_float8(m) for m in linears)
-    if not float8 or dist.get_backend(tp_mesh.get_group()) != "nccl":
+    if not float8 or device_backend(tp_mesh.get_group(), tp_mesh.device_type) != "nccl":
         return ColwiseParallel, RowwiseParallel, PrepareModuleInput
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,

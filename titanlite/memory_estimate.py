@@ -2,7 +2,15 @@
 
 peak = params + grads + optimizer states                      (persistent, sharded)
      + max(forward/backward peak, optimizer-step peak)         (transient)
-     + fixed allowance (CUDA context, NCCL buffers, allocator slack; 0 on CPU)
+
+On CUDA this is what the caching allocator reserves at its peak, the figure train.py logs as
+`memory_gib` (peak reserved; `memory_active_gib` beside it is the live part), so the two compare
+directly. The GPU holds more than that, outside the allocator and not estimated: the CUDA
+context (driver state and loaded kernels) and NCCL's communication buffers, both allocated
+outside torch's allocator, so nvidia-smi counts them and torch's statistics do not. Neither has
+been measured here; leave room for them below the GPU's capacity. cuBLAS's workspace (32 MiB per
+stream on Hopper, 8.1 MiB on older GPUs: PyTorch's CublasHandlePool.cpp) comes from the
+allocator and is small enough to leave out.
 
 Assumptions (each one is a place the estimate can be wrong; docs/performance.md has the measured
 error):
@@ -61,8 +69,6 @@ from titanlite.models.llama.pipeline import SINGLE_STAGE, plan_pipeline
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Measured ranges for a torch + NCCL process on H100s are 1-3 GiB; the middle is used.
-DEFAULT_CUDA_OVERHEAD_GIB = 2.0
 # Caching-allocator fragmentation: reserved exceeds the live peak by a few to ~10 percent.
 DEFAULT_CUDA_FRAGMENTATION = 1.10
 
@@ -95,8 +101,7 @@ class MemorySetup:
     pp: int = 1
     pp_rank: int = 0  # the pipeline rank whose memory is estimated
     pp_options: object = None  # the parallelism config section (pipeline_parallel_*), with pp > 1
-    device: str = "cuda"  # "cpu": no context allowance, no fragmentation factor
-    overhead_gib: float | None = None  # None = DEFAULT_CUDA_OVERHEAD_GIB on cuda, 0 on cpu
+    device: str = "cuda"  # "cpu": no fragmentation factor
 
     def __post_init__(self):
         if self.ac_mode not in ("none", "full", "selective"):
@@ -292,10 +297,7 @@ def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
 def estimate(s: MemorySetup) -> MemoryEstimate:
     counts = param_counts(s.model_args, s.model_name)
     local = _local_params(counts, s)
-    cuda = s.device == "cuda"
-    frag = DEFAULT_CUDA_FRAGMENTATION if cuda else 1.0
-    default = DEFAULT_CUDA_OVERHEAD_GIB if cuda else 0.0
-    overhead = s.overhead_gib if s.overhead_gib is not None else default
+    frag = DEFAULT_CUDA_FRAGMENTATION if s.device == "cuda" else 1.0
     est = MemoryEstimate(num_params=counts["total"])
     on_device = 0 if s.cpu_offload else local  # offloaded shards live in host memory
     est.rows["params (fp32, sharded)"] = on_device * 4
@@ -309,7 +311,6 @@ def estimate(s: MemorySetup) -> MemoryEstimate:
         est.rows["logits / loss" + (" (chunked)" if s.chunk_tokens else "")] = loss_bytes(s) * frag
     else:
         est.rows["optimizer-step temporaries"] = optim_step * frag
-    est.rows["context / NCCL / slack" if cuda else "fixed allowance"] = overhead * GIB
     return est
 
 

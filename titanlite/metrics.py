@@ -59,12 +59,14 @@ def num_flops_per_token(num_params: int, model_args, seq_len: int) -> int:
 
 
 def get_peak_flops(
-    device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0
+    device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0, float8: bool = False
 ) -> float | None:
     """Peak FLOP/s of one device for MFU, or None when unknown (then no MFU is reported).
 
-    override_tflops > 0 wins. On GPU the table holds bf16 dense peaks; fp32 training is also
-    measured against the bf16 peak (as torchtitan does), since bf16 is what the hardware is for.
+    override_tflops > 0 wins. With float8 linears there is no peak to report against (None, and
+    the log says why), as torchtitan does. On GPU the table holds bf16 dense peaks; fp32 training
+    is also measured against the bf16 peak (as torchtitan does), since bf16 is what the hardware
+    is for.
     On CPU there is no datasheet number we can trust, so we calibrate (see _calibrate_cpu) in
     `dtype`, the dtype training computes in (resolve_param_dtype's result): a native-bf16 CPU's
     bf16 peak is several times its fp32 peak. Emulated bf16 (an AVX2 CPU) has no peak of its own:
@@ -73,6 +75,13 @@ def get_peak_flops(
     """
     if override_tflops > 0:
         return override_tflops * 1e12
+    if float8:
+        logger.info(
+            "MFU not reported: float8 linears run at up to twice the bf16 peak the device table "
+            "holds, while attention and the unconverted linears do not, so no one peak fits; "
+            "--metrics.peak_tflops sets the peak to measure against"
+        )
+        return None
     device = torch.device(device)
     if device.type == "cpu":
         if dtype == torch.bfloat16 and not has_fast_bf16(device):
@@ -153,6 +162,20 @@ def compute_throughput(
     return {"wps": wps, "tflops": flops / 1e12, "mfu": mfu}
 
 
+# Every name torch reads its allocator settings from.
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def default_expandable_segments(environ: dict, cuda: bool) -> None:
+    """Expandable segments on CUDA unless the user set the allocator's settings under any name
+    (the launch scripts do the same for their torchrun): a segment grows in place instead of new
+    ones being reserved, so memory does not fragment into allocation retries and OOMs as tensor
+    sizes vary. Called before CUDA initializes: the allocator reads its settings once, when it
+    is created."""
+    if cuda and not any(name in environ for name in ALLOC_CONF_NAMES):
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 @dataclass
 class MemoryStats:
     """Peak memory since the last reset; allocator retries and OOMs since the process started.
@@ -179,9 +202,10 @@ class DeviceMemoryMonitor:
         self.reset_peak_stats()
 
     def log_values(self) -> dict[str, float]:
-        """A log line's memory values: peak reserved GiB since the last reset_peak_stats, and the
-        allocator's retry and OOM counts since the process started. Warns (on every rank: each
-        has its own device) when a count grew since the previous call."""
+        """A log line's memory values: peak reserved GiB since the last reset_peak_stats (on CUDA
+        also the peak active GiB: reserved minus active is what the allocator holds cached or
+        fragmented), and the allocator's retry and OOM counts since the process started. Warns
+        (on every rank: each has its own device) when a count grew since the previous call."""
         stats = self.get_peak_stats()
         new_retries = stats.num_alloc_retries - self._reported_retries
         new_ooms = stats.num_ooms - self._reported_ooms
@@ -195,15 +219,19 @@ class DeviceMemoryMonitor:
                 f"{stats.max_reserved_gib:.2f} GiB ({stats.max_reserved_pct:.0f}%). To fix: lower "
                 "--training.local_batch_size (a set --training.global_batch_size is kept by "
                 "accumulating microbatches), set "
-                "--activation_checkpoint.mode selective or full, or launch with "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the launch scripts' default)."
+                "--activation_checkpoint.mode selective or full, or use "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (train.py's default when the "
+                "variable is unset)."
             )
         self._reported_retries, self._reported_ooms = stats.num_alloc_retries, stats.num_ooms
-        return {
+        values = {
             "memory_gib": stats.max_reserved_gib,
             "alloc_retries": stats.num_alloc_retries,
             "ooms": stats.num_ooms,
         }
+        if self.device.type == "cuda":  # on CPU active is reserved: the peak RSS
+            values["memory_active_gib"] = stats.max_active_gib
+        return values
 
     def get_peak_stats(self) -> MemoryStats:
         if self.device.type == "cuda":
@@ -282,7 +310,11 @@ _TB_TAGS = {
     "data_time_pct": "time/data_pct",
     "elapsed_s": "time/elapsed_s",
 }
-_OPTIONAL_TB_TAGS = {"val_loss": "loss/validation", "val_ppl": "ppl/validation"}
+_OPTIONAL_TB_TAGS = {
+    "memory_active_gib": "memory/max_active_gib",  # CUDA only
+    "val_loss": "loss/validation",
+    "val_ppl": "ppl/validation",
+}
 
 # Console fields in order: (key, label, format).
 _CONSOLE = (
@@ -293,6 +325,7 @@ _CONSOLE = (
     ("tflops", "tflops", "{:.3g}"),
     ("mfu", "mfu", "{:.2f}%"),
     ("memory_gib", "mem", "{:.2f}GiB"),
+    ("memory_active_gib", "active", "{:.2f}GiB"),
     ("data_time_pct", "data", "{:.1f}%"),
     ("val_loss", "val_loss", "{:.4f}"),
     ("val_ppl", "val_ppl", "{:.2f}"),

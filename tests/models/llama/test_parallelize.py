@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import torchrun_script
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy
 
 from titanlite.distributed import clip_grad_norm_, destroy, dist_sum
 from titanlite.models.llama.args import ModelArgs
@@ -248,6 +249,31 @@ def test_selective_ac_saves_every_fused_attention_kernel():
     assert len(kernels) >= 4  # flash, flash for CPU, efficient, cuDNN
     for name in kernels:
         assert getattr(torch.ops.aten, name).default in _SAC_SAVE, name
+
+
+def test_selective_ac_recomputes_no_float8_amax(monkeypatch):
+    """The amax behind each tensorwise float8 scale is kept, not recomputed in backward
+    (emulated float8: torchao's casts, ordinary matmuls)."""
+    from titanlite.config_parse import parse_args
+    from titanlite.float8 import maybe_convert_float8
+    from titanlite.models.llama import parallelize
+
+    policy, ran, recomputed = parallelize._sac_policy, set(), set()
+
+    def spy(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        (recomputed if ctx.is_recompute else ran).add((func, decision))
+        return decision
+
+    monkeypatch.setattr(parallelize, "_sac_policy", spy)
+    model = reference_model()
+    maybe_convert_float8(model, parse_args(["--model.converters", "quantize.linear.float8",
+                                            "--quantize.linear.float8.emulate"]))  # fmt: skip
+    parallelize.apply_ac(model, "selective")
+    one_step(model)
+    amax = torch.ops.aten.max.default
+    assert (amax, CheckpointPolicy.MUST_SAVE) in ran
+    assert (amax, CheckpointPolicy.PREFER_RECOMPUTE) not in recomputed | ran
 
 
 @pytest.mark.slow

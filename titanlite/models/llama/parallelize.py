@@ -151,6 +151,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 # to the elementwise tails) and attention. SDPA dispatches to a different op per device.
 _SAC_SAVE = {
     torch.ops.aten.mm.default,
+    # Float8 linears: the float8 matmul, and the amax behind each tensorwise scale (one number;
+    # recomputing it rereads the whole input), as torchtitan keeps them.
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten.max.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,  # what Hopper picks
