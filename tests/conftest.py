@@ -49,6 +49,21 @@ TINY_TRAIN = [
 ]  # fmt: skip
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto`: one per core, at most 4. Most slow tests launch 2-4 processes of
+    their own, so more workers would only queue on the same cores (and hold their memory); two
+    workers on two cores fill the gaps where one file waits on process start-up or a timer."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(items):
+    """Files with slow tests first, each file kept whole: with the suite spread over processes
+    (pytest-xdist, one file per worker at a time) the long launches start early and the quick
+    in-process files fill the gaps at the end instead of one long file running alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(autouse=True)
 def no_process_group_left():
     """Each in-process test starts without a default process group: a world-1 Trainer or

@@ -1,20 +1,17 @@
-"""Parallelism proven on CPU: real train.py runs (torchrun, gloo, 2 or 4 ranks) give the same
-per-step losses and grad norms as one process, for every layout; bad layouts fail cleanly before
-any weight is built."""
+"""Parallelism proven on CPU: real train.py runs (torchrun, gloo, 4 ranks) give the same per-step
+losses and grad norms as one process, for every layout of FSDP, HSDP, TP and CP (pipeline layouts:
+test_pipeline_numerics.py); bad layouts fail cleanly before any weight is built."""
 
 import json
 import re
 
 import pytest
-from conftest import TINY_TRAIN, read_jsonl, run_train, train_many
+from conftest import run_train
+from integration.parity import BASE, assert_matches, curves, launch
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
-# The tiny run, fp32 so layouts are comparable to rounding. The global batch is fixed, so each
-# layout splits the same 8 rows differently (1 proc: 4 microbatches of 2).
-BASE = [*TINY_TRAIN, "--training.steps", "8"]
 PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
-FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 stages, 4 microbatches
 # name: (ranks, args, relative tolerance on every step's loss and grad norm).
 LAYOUTS = {
     "fsdp4": (4, ["--parallelism.data_parallel_shard_degree", "4"], 1e-4),
@@ -45,46 +42,11 @@ LAYOUTS = {
         "--parallelism.context_parallel_degree", "2",
         "--parallelism.tensor_parallel_degree", "2",
     ], 1e-5),
-    # Pipeline parallelism: every schedule on the debug model's 6 layers with the default split
-    # (PP 2: two stages of 3 layers, or four of 1-2 for multi-stage schedules), then PP with the
-    # other dims. Measured within 1.6e-7 of one process.
-    "pp2_1f1b": (2, [PP, "2"], 1e-5),
-    "pp2_gpipe": (2, [PP, "2", SCHEDULE, "GPipe"], 1e-5),
-    **{
-        f"pp2_{name.lower()}": (2, [PP, "2", SCHEDULE, name, *FOUR_ROWS], 1e-5)
-        for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                     "DualPipeV")
-    },
-    "pp4_1f1b": (4, [PP, "4", *FOUR_ROWS], 1e-5),
-    "pp2_fsdp2": (4, [PP, "2", "--parallelism.data_parallel_shard_degree", "2"], 1e-5),
-    "pp2_fsdp2_zbv": (4, [PP, "2", SCHEDULE, "ZBVZeroBubble", *FOUR_ROWS], 1e-5),
-    "pp2_replicate2": (4, [PP, "2", "--parallelism.data_parallel_replicate_degree", "2"], 1e-5),
-    # The last stage computes the loss on vocab-sharded, chunked logits.
-    "pp2_tp2_loss_parallel": (4, [
-        PP, "2", "--parallelism.tensor_parallel_degree", "2", "--loss.chunk_tokens", "24",
-    ], 1e-5),
-}  # fmt: skip
-# Plain FSDP 2 x TP 2 runs from the seed checkpoint (test below): one 4-rank run covers both.
-FSDP2_TP2 = LAYOUTS["fsdp2xtp2_loss_parallel"][1][:4]
-
-
-def curves(dump):
-    """[(step, loss, grad_norm)] of a finished run."""
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(dump / "metrics.jsonl")]
-
-
-def worst_deviation(got, ref, steps=8) -> tuple[float, float]:
-    """Largest relative deviation of loss and of grad norm over all steps."""
-    assert [s for s, _, _ in got] == [s for s, _, _ in ref] == list(range(1, steps + 1))
-    loss = max(abs(g[1] - r[1]) / abs(r[1]) for g, r in zip(got, ref))
-    norm = max(abs(g[2] - r[2]) / abs(r[2]) for g, r in zip(got, ref))
-    return loss, norm
-
-
-def assert_matches(name, got, ref, rtol=1e-4, steps=8):
-    loss, norm = worst_deviation(got, ref, steps)
-    print(f"\n{name}: worst relative deviation: loss {loss:.2e}, grad_norm {norm:.2e}")
-    assert loss <= rtol and norm <= rtol, (name, got, ref)
+    }  # fmt: skip
+# FSDP 2 x TP 2 starts from the seed checkpoint (test below): since the init is layout-invariant,
+# that one 4-rank run also stands for the plain layout.
+SEEDED = "fsdp2xtp2_loss_parallel"
+FSDP2_TP2 = LAYOUTS[SEEDED][1][:4]
 
 
 def short_docs(folder):
@@ -115,17 +77,13 @@ def runs(tmp_path_factory):
         "bf16_one": (1, bf16),
         "seed": (1, [*BASE, "--checkpoint.create_seed_checkpoint", "--checkpoint.enable"]),
         "seed_one": (1, [*BASE, *load_seed]),
-        **{name: (n, [*BASE, *args]) for name, (n, args, _) in LAYOUTS.items()},
+        **{name: (n, [*BASE, *args, *(load_seed if name == SEEDED else [])])
+           for name, (n, args, _) in LAYOUTS.items()},
         "mask_fsdp2xtp2": (4, [*masked, *FSDP2_TP2, "--activation_checkpoint.mode", "selective",
                                "--loss.chunk_tokens", "24"]),
         "bf16_fsdp4": (4, [*bf16, *LAYOUTS["fsdp4"][1]]),
-        "seed_fsdp2xtp2": (4, [*BASE, *load_seed, *FSDP2_TP2]),
     }  # fmt: skip
-    for nproc in sorted({n for n, _ in jobs.values()}):
-        names = [name for name, (n, _) in jobs.items() if n == nproc]
-        train_many([[*jobs[name][1], "--job.dump_folder", str(out / name)] for name in names],
-                   nproc=nproc)  # fmt: skip
-    return {name: out / name for name in jobs}
+    return launch(out, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +130,7 @@ def test_seed_checkpoint_then_fsdp_x_tp(runs, reference):
     assert (step0 / ".metadata").exists()
     assert not (runs["seed"] / "metrics.jsonl").exists()  # the seed run trains no step
 
-    one_seeded, two_d = curves(runs["seed_one"]), curves(runs["seed_fsdp2xtp2"])
+    one_seeded, two_d = curves(runs["seed_one"]), curves(runs[SEEDED])
     assert_matches("fsdp2xtp2 from seed vs 1 process from seed", two_d, one_seeded)
     # Our init is layout-invariant, so starting from the seed changes nothing.
     assert_matches("1 process from seed vs plain", one_seeded, reference)

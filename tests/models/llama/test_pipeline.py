@@ -1,6 +1,6 @@
 """Pipeline planning (pure Python: stage split, schedules, microbatches, bad inputs) and stage
 cutting on the meta device. The schedules' numerics are proven end to end in
-tests/integration/test_parallel_numerics.py."""
+tests/integration/test_pipeline_numerics.py."""
 
 from types import SimpleNamespace
 

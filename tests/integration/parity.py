@@ -1,0 +1,40 @@
+"""What the parity tests share: the tiny fp32 run, its per-step curves, the comparison with one
+process, and one launch per world size for a set of runs."""
+
+from pathlib import Path
+
+from conftest import TINY_TRAIN, read_jsonl, train_many
+
+# The tiny run, fp32 so layouts are comparable to rounding. The global batch is fixed, so each
+# layout splits the same 8 rows differently (1 proc: 4 microbatches of 2).
+BASE = [*TINY_TRAIN, "--training.steps", "8"]
+
+
+def curves(dump):
+    """[(step, loss, grad_norm)] of a finished run."""
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(dump / "metrics.jsonl")]
+
+
+def worst_deviation(got, ref, steps=8) -> tuple[float, float]:
+    """Largest relative deviation of loss and of grad norm over all steps."""
+    assert [s for s, _, _ in got] == [s for s, _, _ in ref] == list(range(1, steps + 1))
+    loss = max(abs(g[1] - r[1]) / abs(r[1]) for g, r in zip(got, ref))
+    norm = max(abs(g[2] - r[2]) / abs(r[2]) for g, r in zip(got, ref))
+    return loss, norm
+
+
+def assert_matches(name, got, ref, rtol=1e-4, steps=8):
+    loss, norm = worst_deviation(got, ref, steps)
+    print(f"\n{name}: worst relative deviation: loss {loss:.2e}, grad_norm {norm:.2e}")
+    assert loss <= rtol and norm <= rtol, (name, got, ref)
+
+
+def launch(out: Path, jobs: dict) -> dict:
+    """Run every job (name -> (ranks, train.py args)) into out/name: the one-process runs one
+    after another in one process, then those of each world size in one torchrun launch (process
+    start-up is most of a tiny run's time on 2 cores). Returns name -> dump folder."""
+    for nproc in sorted({n for n, _ in jobs.values()}):
+        names = [name for name, (n, _) in jobs.items() if n == nproc]
+        train_many([[*jobs[name][1], "--job.dump_folder", str(out / name)] for name in names],
+                   nproc=nproc)  # fmt: skip
+    return {name: out / name for name in jobs}
