@@ -12,6 +12,7 @@ from titanlite.models.llama.model import (
     apply_rotary_emb,
     precompute_rope_cache,
     rope_frequencies,
+    sdpa,
 )
 
 VOCAB = 512
@@ -38,6 +39,38 @@ def test_debug_flavor_shapes():
     assert LLAMA3_FLAVORS["70B"].ffn_hidden_dim == 28672
     assert LLAMA3_FLAVORS["405B"].ffn_hidden_dim == 53248
     assert LLAMA3_FLAVORS["1B"].ffn_hidden_dim == 8192
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_gqa_reads_kv_heads_in_place_unless_masked(masked, sdpa_calls):
+    """GQA without a mask: SDPA's enable_gqa over the kv heads as they are (no repeated copy).
+    With a mask: K and V repeated, never a mask with enable_gqa (on CUDA that pair leaves SDPA
+    only its math kernel). Both equal the repeated-K/V form (Meta's repeat_kv order: query head j
+    uses kv head j // 4), outputs and gradients, to fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    q, grad_out = (torch.randn(2, 8, 12, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 2, 12, 16, generator=g) for _ in range(2))
+    # Causal within two documents of 5 and 7 tokens, or plain causal.
+    mask = None
+    if masked:
+        doc = torch.tensor([[0] * 5 + [1] * 7]).repeat(2, 1)
+        mask = (doc[:, :, None] == doc[:, None, :]).tril().unsqueeze(1)  # [2, 1, 12, 12]
+    results = []
+    for attend in (sdpa, _repeated_kv_sdpa):
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*qkv, mask)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in qkv)])
+    (q_new, k_new, kwargs), _ = sdpa_calls
+    assert k_new.shape[1] == (8 if masked else 2)
+    assert kwargs.get("enable_gqa", False) == (not masked)
+    for new, old in zip(*results, strict=True):
+        torch.testing.assert_close(new, old)
+
+
+def _repeated_kv_sdpa(q, k, v, mask):
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
 def test_logits_shape_and_dtype():

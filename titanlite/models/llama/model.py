@@ -71,17 +71,31 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
 def causal_attention(q, k, v, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
     """Causal attention of q [b, hq, s, hd] over k, v [b, hkv, s, hd] -> [b, hq, s, hd]; with
     `mask` (a dense [b, 1, s, s] bool mask, True = attend, causal already; or a flex BlockMask)
-    instead of the plain causal one.
-
-    GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order; flex's too).
-    """
+    instead of the plain causal one."""
     if isinstance(mask, BlockMask):
         return _flex_attention(q, k, v, mask)
+    return sdpa(q, k, v, mask)
+
+
+def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of q [b, hq, sq, hd] over k, v [b, hkv, skv, hd] -> [b, hq, sq, hd]: causal (sq ==
+    skv), or where the bool `mask` [.., sq, skv] is True.
+
+    GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order; SDPA's enable_gqa
+    and flex's too). Without a mask SDPA reads the kv heads in place (enable_gqa: the flash and
+    cuDNN kernels do GQA natively, with no n_rep-fold copy of K and V to write and keep for
+    backward). With a mask K and V are repeated to hq heads first: no fused CUDA kernel of
+    torch 2.11 takes a mask together with GQA when cuDNN's is not chosen (flash takes no mask,
+    memory-efficient no GQA), and SDPA's math fallback materializes every score [b, hq, sq, skv].
+    On CPU both forms run the same flash kernel, with the same outputs.
+    """
     n_rep = q.shape[1] // k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
     if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
-        v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, skv, hd] -> [b, hq, skv, hd]
+        v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, skv, hd] -> [b, hq, skv, hd]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @functools.cache
