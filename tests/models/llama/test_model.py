@@ -1,9 +1,11 @@
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from titanlite.models.llama import model as model_module
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs, get_model_args, pad_vocab
 from titanlite.models.llama.model import (
     ROPE_OLD_CONTEXT_LEN,
@@ -303,14 +305,21 @@ def test_document_masking_equals_each_document_on_its_own():
             start += len(d)
 
 
+def _doc_batch(roll):
+    """[2, 256] packed documents that cross 128-token mask blocks, split differently in each
+    row (and, by `roll`, from one batch to the next)."""
+    docs = torch.cat([_doc(n, seed) for seed, n in enumerate((150, 40, 3, 90), start=4)])
+    t = docs[None, :256].repeat(2, 1).roll(roll, dims=1)
+    t[1] = t[1].roll(77)
+    return t
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_backend_equals_sdpa_mask():
     """The flex block mask masks exactly what the dense SDPA mask does: the same logits, with
     GQA and documents that cross 128-token mask blocks. Forward only: torch has no CPU backward
     for flex attention (training with it needs CUDA, where it is compiled)."""
-    docs = torch.cat([_doc(n, seed) for seed, n in enumerate((150, 40, 3, 90), start=4)])
-    t = docs[None, :256].repeat(2, 1)
-    t[1] = t[1].roll(77)  # another split of documents in the second row
+    t = _doc_batch(0)
     logits = {}
     for backend in ("sdpa", "flex"):
         model = build(
@@ -323,6 +332,39 @@ def test_flex_attention_backend_equals_sdpa_mask():
     plain = build(n_kv_heads=4, max_seq_len=256)
     with torch.no_grad():
         assert (plain(t) - logits["flex"]).abs().max() > 1e-2  # the mask is not a no-op
+
+
+@pytest.mark.slow  # compiles flex attention and its mask builder (~10 s of CPU)
+def test_compiled_flex_builds_one_mask_per_forward_and_never_recompiles(monkeypatch):
+    """Compiled as on a GPU: one block mask per forward (for all 6 layers), and later steps with
+    other document boundaries reuse the compiled graphs (a recompile raises here). aot_eager
+    spares inductor's C++ build: whether dynamo recompiles depends on its guards, which are
+    the same for every backend. The logits equal eager flex attention's."""
+    batches = [_doc_batch(roll) for roll in (0, 77, 31)]
+    model = build(
+        document_masking=True, bos_id=BOS, eos_id=EOS, n_kv_heads=4, max_seq_len=256,
+        attention_backend="flex",
+    )  # fmt: skip
+    with torch.no_grad():
+        eager = [model(t) for t in batches]
+    masks_built = []
+    document_block_mask = model_module.document_block_mask
+
+    def counted(doc):
+        masks_built.append(doc)
+        return document_block_mask(doc)
+
+    compiled_fns = functools.cache(lambda fn: torch.compile(fn, backend="aot_eager"))
+    monkeypatch.setattr(model_module, "document_block_mask", counted)
+    monkeypatch.setattr(model_module, "_flex", lambda fn, device: compiled_fns(fn))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = [model(batches[0])]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled += [model(t) for t in batches[1:]]
+    assert len(masks_built) == len(batches)
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_flex_attention_backend_needs_document_masking():

@@ -99,18 +99,28 @@ def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled_flex_attention():
-    """Made on first use: torch.compile at import would load inductor into every process that
-    imports the model (a second or more of start-up for each rank, GPU job or not)."""
-    return torch.compile(flex_attention)
+def _compiled(fn):
+    """fn under torch.compile, made on first use: torch.compile at import would load inductor
+    into every process that imports the model (a second or more of start-up for each rank, GPU
+    job or not)."""
+    return torch.compile(fn)
+
+
+def _flex(fn, device: torch.device):
+    """flex_attention or create_block_mask as run on `device`: compiled, except on CPU.
+
+    Eager flex_attention is a dense reference that materializes every score, and eager
+    create_block_mask evaluates the mask on the whole [b, s, s] grid in memory; compiled, they
+    are the block-sparse kernel that skips the blocks across documents and a fused per-block
+    mask builder (torchtitan compiles both). On CPU flex attention only runs without gradients
+    (torch has no CPU backward for it): there the exact eager reference serves evaluation and
+    spares a compile.
+    """
+    return fn if device.type == "cpu" else _compiled(fn)
 
 
 def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
-    # Eager flex_attention is a dense reference that materializes every score; compiled, it is
-    # the block-sparse kernel that skips the blocks across documents. On CPU it only runs
-    # without gradients (torch has no CPU backward for it): there the exact eager reference
-    # serves evaluation and spares a compile.
-    flex = flex_attention if q.device.type == "cpu" else _compiled_flex_attention()
+    flex = _flex(flex_attention, q.device)
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -140,7 +150,11 @@ def document_block_mask(doc: torch.Tensor) -> BlockMask:
         return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
     b, s = doc.shape
-    return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
+    # Built once per forward, for all layers. Compiled, later steps reuse the graph: the mask
+    # function is a new closure each step, but dynamo guards on its code and treats the document
+    # ids it reads as a graph input.
+    create = _flex(create_block_mask, doc.device)
+    return create(same_document_causal, b, None, s, s, device=doc.device)
 
 
 class Attention(nn.Module):
