@@ -87,7 +87,9 @@ def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     backward). With a mask K and V are repeated to hq heads first: no fused CUDA kernel of
     torch 2.11 takes a mask together with GQA when cuDNN's is not chosen (flash takes no mask,
     memory-efficient no GQA), and SDPA's math fallback materializes every score [b, hq, sq, skv].
-    On CPU both forms run the same flash kernel, with the same outputs.
+    On CPU both forms run the same flash kernel (same outputs, gradients to rounding), and the
+    in-place form is the faster one there too: a debug-model step with 4 kv heads (batch 8 x
+    256, one thread) measured 841 -> 789 ms in fp32 and 718 -> 683 ms in bf16 of CPU time.
     """
     n_rep = q.shape[1] // k.shape[1]
     if mask is None:
