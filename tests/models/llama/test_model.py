@@ -43,12 +43,17 @@ def test_debug_flavor_shapes():
     assert LLAMA3_FLAVORS["1B"].ffn_hidden_dim == 8192
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_sdpa_gqa_reads_kv_heads_in_place_unless_masked(masked, sdpa_calls):
-    """GQA without a mask: SDPA's enable_gqa over the kv heads as they are (no repeated copy).
-    With a mask: K and V repeated, never a mask with enable_gqa (on CUDA that pair leaves SDPA
-    only its math kernel). Both equal the repeated-K/V form (Meta's repeat_kv order: query head j
-    uses kv head j // 4), outputs and gradients, to fp32 rounding."""
+@pytest.mark.parametrize("masked,native", [(False, True), (True, True), (False, False)])
+def test_sdpa_gqa_reads_kv_heads_in_place_only_unmasked_off_cpu(
+    masked, native, sdpa_calls, monkeypatch
+):
+    """Where native GQA is on (a GPU; forced here on CPU) and there is no mask: SDPA's enable_gqa
+    over the kv heads as they are. With a mask: K and V repeated, never a mask with enable_gqa
+    (on CUDA that pair leaves SDPA only its math kernel); on CPU: repeated. Every form equals the
+    repeated-K/V one (Meta's repeat_kv order: query head j uses kv head j // 4), outputs and
+    gradients, to fp32 rounding."""
+    assert not model_module.native_gqa(torch.device("cpu"))
+    monkeypatch.setattr(model_module, "native_gqa", lambda device: native)
     g = torch.Generator().manual_seed(0)
     q, grad_out = (torch.randn(2, 8, 12, 16, generator=g) for _ in range(2))
     k, v = (torch.randn(2, 2, 12, 16, generator=g) for _ in range(2))
@@ -64,8 +69,9 @@ def test_sdpa_gqa_reads_kv_heads_in_place_unless_masked(masked, sdpa_calls):
         out.backward(grad_out)
         results.append([out.detach(), *(t.grad for t in qkv)])
     (q_new, k_new, kwargs), _ = sdpa_calls
-    assert k_new.shape[1] == (8 if masked else 2)
-    assert kwargs.get("enable_gqa", False) == (not masked)
+    in_place = native and not masked
+    assert k_new.shape[1] == (2 if in_place else 8)
+    assert kwargs.get("enable_gqa", False) == in_place
     for new, old in zip(*results, strict=True):
         torch.testing.assert_close(new, old)
 

@@ -82,22 +82,32 @@ def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     skv), or where the bool `mask` [.., sq, skv] is True.
 
     GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order; SDPA's enable_gqa
-    and flex's too). Without a mask SDPA reads the kv heads in place (enable_gqa: the flash and
-    cuDNN kernels do GQA natively, with no n_rep-fold copy of K and V to write and keep for
-    backward). With a mask K and V are repeated to hq heads first: no fused CUDA kernel of
+    and flex's too). Without a mask, on a GPU, SDPA reads the kv heads in place (enable_gqa: the
+    flash and cuDNN kernels do GQA natively, with no n_rep-fold copy of K and V to write and keep
+    for backward). With a mask K and V are repeated to hq heads first: no fused CUDA kernel of
     torch 2.11 takes a mask together with GQA when cuDNN's is not chosen (flash takes no mask,
     memory-efficient no GQA), and SDPA's math fallback materializes every score [b, hq, sq, skv].
-    On CPU both forms run the same flash kernel (same outputs, gradients to rounding), and the
-    in-place form is the faster one there too: a debug-model step with 4 kv heads (batch 8 x
-    256, one thread) measured 841 -> 789 ms in fp32 and 718 -> 683 ms in bf16 of CPU time.
     """
     n_rep = q.shape[1] // k.shape[1]
-    if mask is None:
+    if mask is None and native_gqa(q.device):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, skv, hd] -> [b, hq, skv, hd]
         v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, skv, hd] -> [b, hq, skv, hd]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
+def native_gqa(device: torch.device) -> bool:
+    """Whether unmasked SDPA takes K and V with their kv heads (enable_gqa) on `device`.
+
+    Not on CPU: torch's CPU flash kernel is faster so (a debug-model step with 4 kv heads, batch
+    8 x 256, one thread: 841 -> 789 ms fp32, 718 -> 683 ms bf16 of CPU time), but its bf16
+    backward sums the query heads' K and V gradients less exactly (32 heads over 8: dk 7.2e-3
+    off fp64, relative, against 4.8e-3 repeated), enough to push bf16 layouts apart (TP 4 against
+    one process: 1.2e-4 on the second loss, against 2e-5). CUDA's flash kernel, by its source,
+    writes per-head gradients and sums them, as the repeated form's backward does.
+    """
+    return device.type != "cpu"
 
 
 @functools.cache
