@@ -16,6 +16,7 @@ from titanlite.models.llama.model import (
     rope_frequencies,
     sdpa,
 )
+from titanlite.models.llama.parallelize import apply_compile
 
 VOCAB = 512
 
@@ -342,10 +343,10 @@ def test_flex_attention_backend_equals_sdpa_mask():
 
 @pytest.mark.slow  # compiles flex attention and its mask builder (~10 s of CPU)
 def test_compiled_flex_builds_one_mask_per_forward_and_never_recompiles(monkeypatch):
-    """Compiled as on a GPU: one block mask per forward (for all 6 layers), and later steps with
-    other document boundaries reuse the compiled graphs (a recompile raises here). aot_eager
-    spares inductor's C++ build: whether dynamo recompiles depends on its guards, which are
-    the same for every backend. The logits equal eager flex attention's."""
+    """Compiled as on a GPU, blocks too: one block mask per forward (for all 6 layers), and later
+    steps with other document boundaries reuse the compiled graphs (a recompile raises here).
+    aot_eager spares inductor's C++ build: whether dynamo recompiles depends on its guards, the
+    same for every backend. The logits equal eager flex attention's."""
     batches = [_doc_batch(roll) for roll in (0, 77, 31)]
     model = build(
         document_masking=True, bos_id=BOS, eos_id=EOS, n_kv_heads=4, max_seq_len=256,
@@ -363,6 +364,7 @@ def test_compiled_flex_builds_one_mask_per_forward_and_never_recompiles(monkeypa
     compiled_fns = functools.cache(lambda fn: torch.compile(fn, backend="aot_eager"))
     monkeypatch.setattr(model_module, "document_block_mask", counted)
     monkeypatch.setattr(model_module, "_flex", lambda fn, device: compiled_fns(fn))
+    apply_compile(model, "aot_eager")  # and the blocks, as --compile.enable does
     torch._dynamo.reset()
     with torch.no_grad():
         compiled = [model(batches[0])]
