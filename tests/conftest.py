@@ -156,3 +156,18 @@ def assert_nested_equal(a, b, path=""):
             assert_nested_equal(x, y, f"{path}.{i}")
     else:
         assert a == b, path
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Every F.scaled_dot_product_attention call made during the test, as (q, k, kwargs): the
+    attention code looks the function up on torch.nn.functional at each call."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        calls.append((q, k, kwargs))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return calls

@@ -90,6 +90,25 @@ def test_cp_splits_tokens_and_shards_params_over_dp_shard_x_cp():
     assert loss_bytes(setup(cp=2)) == loss_bytes(setup(seq_len=8))
 
 
+def test_gqa_kv_saved_as_kv_heads_unless_a_mask_repeats_them():
+    """SDPA keeps k and v with their 2 kv heads (kv_dim 32) under a plain causal mask, repeated
+    to the 4 query heads (dim 64) under a dense document mask and on CPU; under CP 2 the early
+    and late chunks' repeated keys, 2.5 per local token (one gathered copy, 2, under MHA)."""
+    gqa = replace(ARGS, n_kv_heads=2)
+    docs = replace(gqa, document_masking=True, bos_id=1, eos_id=2)
+
+    def sdpa_kv(args, cp=1, device="cuda"):
+        elems = block_activation_elems(setup(model_args=args, cp=cp, device=device))[0]
+        return elems - (9 if device == "cpu" else 7) * 64 - 4 * 256
+
+    assert sdpa_kv(gqa) == 2 * 32
+    assert sdpa_kv(gqa, device="cpu") == 2 * 64
+    assert sdpa_kv(docs) == 2 * 64
+    assert sdpa_kv(replace(docs, attention_backend="flex")) == 2 * 32
+    assert sdpa_kv(gqa, cp=2) == 2 * 64 * 2.5
+    assert sdpa_kv(ARGS, cp=2) == 2 * 64 * 2
+
+
 def test_cpu_composite_rmsnorm_saves_its_normalized_input_too():
     fp32 = dict(param_dtype="float32")
     extra = activation_bytes(setup(device="cpu", **fp32)) - activation_bytes(setup(**fp32))

@@ -28,12 +28,14 @@ error):
   policy is the only mixed-precision mechanism), over a one-rank mesh: the same buffers as above.
 - Activations per block and token follow this repo's model.py (eager, no fusion): saved tensors of
   9 x dim + 4 x ffn_dim elements (norm in/out x2, q/k/v after RoPE, SDPA output, wo input, w1/w3
-  outputs, silu output, the gated product; GQA k/v are repeated before SDPA so they count at
-  full dim). On CPU nn.RMSNorm is composite and also saves x * rstd: +2 x dim.
+  outputs, silu output, the gated product; SDPA keeps k and v with their kv heads, 2 x kv_dim,
+  or repeated to the query heads, 2 x dim, on CPU and where a dense document mask makes
+  attention repeat them). On CPU nn.RMSNorm is composite and also saves x * rstd: +2 x dim.
   Under TP with sequence parallel everything but the two all-gathered norm outputs is
   divided by tp. Under CP a rank holds seq_len / cp tokens of each sequence, and attention saves
-  the K and V gathered over the whole sequence (not repeated for GQA) instead of the local
-  repeated ones: 2 x kv_dim x cp per local token; its causal mask for the late chunk,
+  the K and V gathered over the whole sequence instead of the local ones: 2 x kv_dim x cp per
+  local token, or under GQA the copies that the early and the late chunk's masked calls repeat
+  to the query heads, 2 x dim x (cp + 1/2); its causal mask for the late chunk,
   [seq / (2 cp), seq], exists during one attention call. Selective 'op' AC keeps the matmul and
   SDPA outputs and the block input (CP's K/V are gathered again in backward); full AC keeps the
   block input; selective 'N' makes every Nth block full AC. With AC one block's full
@@ -221,8 +223,13 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     if s.device == "cpu":
         norm_io *= 2  # CPU RMSNorm is composite: it also saves x * rstd before the gain
     gathered = 2 * dim  # norm outputs as the column-parallel linears save them
-    # SDPA's k and v: repeated for GQA, or under CP the whole sequence's, gathered, unrepeated.
-    sdpa_kv = 2 * kv * s.cp if s.cp > 1 else 2 * dim
+    # SDPA's k and v (model.sdpa): the kv heads, or repeated to the query heads for a mask (CP's
+    # chunks, a dense document mask) and on CPU. Under CP the whole sequence's, gathered: one
+    # copy, or the chunks' repeated keys, (2 cp + 1) / 2 per local token.
+    dense_mask = a.document_masking and a.attention_backend == "sdpa"
+    repeats = s.cp > 1 or dense_mask or s.device == "cpu"
+    repeated = 2 * dim * (s.cp + 0.5 if s.cp > 1 else 1)
+    sdpa_kv = repeated if repeats and kv < dim else 2 * kv * s.cp
     # q, k, v, sdpa out, wo input; w1, silu, w3, prod
     inner = (3 * dim + sdpa_kv + 4 * ffn) / tp
     full = norm_io + gathered + inner

@@ -12,8 +12,6 @@ from titanlite.distributed import destroy
 from titanlite.models.llama.context_parallel import cp_attention, split_sequence
 from titanlite.models.llama.model import causal_attention
 
-pytestmark = pytest.mark.slow  # launches processes
-
 # (sequence length, query heads, kv heads): MHA, GQA 2 and 8, and lengths that make chunks of
 # 1, 3 and 5 tokens at CP 4.
 CASES = [(8, 4, 4), (24, 4, 2), (40, 8, 1)]
@@ -52,9 +50,36 @@ def _worker(rank, world, port):
     destroy()  # barrier first: gloo aborts a rank whose peer leaves mid-exchange
 
 
+@pytest.mark.slow  # launches processes
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_matches_full_causal_attention(cp):
     mp.spawn(_worker, args=(cp, free_port()), nprocs=cp)
+
+
+def test_cp_attention_never_gives_sdpa_a_mask_with_gqa(sdpa_calls):
+    """The chunks' masked SDPA calls get K and V repeated to the query heads, never a mask with
+    enable_gqa (on CUDA that pair leaves SDPA only its math kernel, which stores every score),
+    and equal full causal attention. One rank in process (cp 1: an early and a late chunk)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, grad_out = (torch.randn(2, 8, 10, 16, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, 2, 10, 16, generator=g) for _ in range(2))
+        ref = _attention_and_grads(causal_attention, q, k, v, grad_out)
+        sdpa_calls.clear()
+
+        def attend(q, k, v):
+            return cp_attention(q, k, v, group=dist.group.WORLD, cp=1, rank=0)
+
+        got = _attention_and_grads(attend, q, k, v, grad_out)
+    finally:
+        dist.destroy_process_group()
+    assert len(sdpa_calls) == 2  # one per chunk
+    for q_chunk, k_chunk, kwargs in sdpa_calls:
+        assert kwargs["attn_mask"].dtype == torch.bool
+        assert k_chunk.shape[1] == q_chunk.shape[1] and not kwargs.get("enable_gqa", False)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_split_sequence_balances_causal_work():

@@ -1,9 +1,11 @@
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from titanlite.models.llama import model as model_module
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs, get_model_args, pad_vocab
 from titanlite.models.llama.model import (
     ROPE_OLD_CONTEXT_LEN,
@@ -12,7 +14,9 @@ from titanlite.models.llama.model import (
     apply_rotary_emb,
     precompute_rope_cache,
     rope_frequencies,
+    sdpa,
 )
+from titanlite.models.llama.parallelize import apply_compile
 
 VOCAB = 512
 
@@ -38,6 +42,44 @@ def test_debug_flavor_shapes():
     assert LLAMA3_FLAVORS["70B"].ffn_hidden_dim == 28672
     assert LLAMA3_FLAVORS["405B"].ffn_hidden_dim == 53248
     assert LLAMA3_FLAVORS["1B"].ffn_hidden_dim == 8192
+
+
+@pytest.mark.parametrize("masked,native", [(False, True), (True, True), (False, False)])
+def test_sdpa_gqa_reads_kv_heads_in_place_only_unmasked_off_cpu(
+    masked, native, sdpa_calls, monkeypatch
+):
+    """Where native GQA is on (a GPU; forced here on CPU) and there is no mask: SDPA's enable_gqa
+    over the kv heads as they are. With a mask: K and V repeated, never a mask with enable_gqa
+    (on CUDA that pair leaves SDPA only its math kernel); on CPU: repeated. Every form equals the
+    repeated-K/V one (Meta's repeat_kv order: query head j uses kv head j // 4), outputs and
+    gradients, to fp32 rounding."""
+    assert not model_module.native_gqa(torch.device("cpu"))
+    monkeypatch.setattr(model_module, "native_gqa", lambda device: native)
+    g = torch.Generator().manual_seed(0)
+    q, grad_out = (torch.randn(2, 8, 12, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 2, 12, 16, generator=g) for _ in range(2))
+    # Causal within two documents of 5 and 7 tokens, or plain causal.
+    mask = None
+    if masked:
+        doc = torch.tensor([[0] * 5 + [1] * 7]).repeat(2, 1)
+        mask = (doc[:, :, None] == doc[:, None, :]).tril().unsqueeze(1)  # [2, 1, 12, 12]
+    results = []
+    for attend in (sdpa, _repeated_kv_sdpa):
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*qkv, mask)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in qkv)])
+    (q_new, k_new, kwargs), _ = sdpa_calls
+    in_place = native and not masked
+    assert k_new.shape[1] == (2 if in_place else 8)
+    assert kwargs.get("enable_gqa", False) == in_place
+    for new, old in zip(*results, strict=True):
+        torch.testing.assert_close(new, old)
+
+
+def _repeated_kv_sdpa(q, k, v, mask):
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
 def test_logits_shape_and_dtype():
@@ -270,14 +312,21 @@ def test_document_masking_equals_each_document_on_its_own():
             start += len(d)
 
 
+def _doc_batch(roll):
+    """[2, 256] packed documents that cross 128-token mask blocks, split differently in each
+    row (and, by `roll`, from one batch to the next)."""
+    docs = torch.cat([_doc(n, seed) for seed, n in enumerate((150, 40, 3, 90), start=4)])
+    t = docs[None, :256].repeat(2, 1).roll(roll, dims=1)
+    t[1] = t[1].roll(77)
+    return t
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_backend_equals_sdpa_mask():
     """The flex block mask masks exactly what the dense SDPA mask does: the same logits, with
     GQA and documents that cross 128-token mask blocks. Forward only: torch has no CPU backward
     for flex attention (training with it needs CUDA, where it is compiled)."""
-    docs = torch.cat([_doc(n, seed) for seed, n in enumerate((150, 40, 3, 90), start=4)])
-    t = docs[None, :256].repeat(2, 1)
-    t[1] = t[1].roll(77)  # another split of documents in the second row
+    t = _doc_batch(0)
     logits = {}
     for backend in ("sdpa", "flex"):
         model = build(
@@ -290,6 +339,40 @@ def test_flex_attention_backend_equals_sdpa_mask():
     plain = build(n_kv_heads=4, max_seq_len=256)
     with torch.no_grad():
         assert (plain(t) - logits["flex"]).abs().max() > 1e-2  # the mask is not a no-op
+
+
+@pytest.mark.slow  # compiles flex attention and its mask builder (~10 s of CPU)
+def test_compiled_flex_builds_one_mask_per_forward_and_never_recompiles(monkeypatch):
+    """Compiled as on a GPU, blocks too: one block mask per forward (for all 6 layers), and later
+    steps with other document boundaries reuse the compiled graphs (a recompile raises here).
+    aot_eager spares inductor's C++ build: whether dynamo recompiles depends on its guards, the
+    same for every backend. The logits equal eager flex attention's."""
+    batches = [_doc_batch(roll) for roll in (0, 77, 31)]
+    model = build(
+        document_masking=True, bos_id=BOS, eos_id=EOS, n_kv_heads=4, max_seq_len=256,
+        attention_backend="flex",
+    )  # fmt: skip
+    with torch.no_grad():
+        eager = [model(t) for t in batches]
+    masks_built = []
+    document_block_mask = model_module.document_block_mask
+
+    def counted(doc):
+        masks_built.append(doc)
+        return document_block_mask(doc)
+
+    compiled_fns = functools.cache(lambda fn: torch.compile(fn, backend="aot_eager"))
+    monkeypatch.setattr(model_module, "document_block_mask", counted)
+    monkeypatch.setattr(model_module, "_flex", lambda fn, device: compiled_fns(fn))
+    apply_compile(model, "aot_eager")  # and the blocks, as --compile.enable does
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = [model(batches[0])]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled += [model(t) for t in batches[1:]]
+    assert len(masks_built) == len(batches)
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_flex_attention_backend_needs_document_masking():

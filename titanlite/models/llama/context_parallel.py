@@ -12,7 +12,8 @@ chunks. apply_cp (parallelize.py) installs the two pieces below from outside the
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
+
+from titanlite.models.llama.model import sdpa
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -55,11 +56,10 @@ def cp_attention(q, k, v, mask=None, *, group, cp: int, rank: int) -> torch.Tens
         # Query i of the chunk sits at position chunk * c + i and sees keys 0 .. chunk * c + i.
         q_pos = torch.arange(chunk * c, end, device=q.device)
         mask = torch.arange(end, device=q.device) <= q_pos[:, None]  # [c, end]
-        # enable_gqa: Meta's head order (query head j uses kv head j // n_rep) without a
-        # repeated copy of the gathered K and V.
-        out = F.scaled_dot_product_attention(
-            q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask, enable_gqa=True
-        )
+        # sdpa repeats K and V for the mask: on CUDA a fused kernel (memory-efficient, or
+        # cuDNN) takes it, where GQA with a mask would leave SDPA only its math kernel, which
+        # stores the scores [b, hq, c, end]. Flash takes no mask at all.
+        out = sdpa(q_chunk, k[:, :, :end], v[:, :, :end], mask)
         outs.append(out)  # [b, hq, c, hd]
     return torch.cat(outs, dim=2)
 

@@ -71,32 +71,68 @@ def apply_rotary_emb(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
 def causal_attention(q, k, v, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
     """Causal attention of q [b, hq, s, hd] over k, v [b, hkv, s, hd] -> [b, hq, s, hd]; with
     `mask` (a dense [b, 1, s, s] bool mask, True = attend, causal already; or a flex BlockMask)
-    instead of the plain causal one.
-
-    GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order; flex's too).
-    """
+    instead of the plain causal one."""
     if isinstance(mask, BlockMask):
         return _flex_attention(q, k, v, mask)
+    return sdpa(q, k, v, mask)
+
+
+def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of q [b, hq, sq, hd] over k, v [b, hkv, skv, hd] -> [b, hq, sq, hd]: causal (sq ==
+    skv), or where the bool `mask` [.., sq, skv] is True.
+
+    GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order; SDPA's enable_gqa
+    and flex's too). Without a mask, on a GPU, SDPA reads the kv heads in place (enable_gqa: the
+    flash and cuDNN kernels do GQA natively, with no n_rep-fold copy of K and V to write and keep
+    for backward). With a mask K and V are repeated to hq heads first: no fused CUDA kernel of
+    torch 2.11 takes a mask together with GQA when cuDNN's is not chosen (flash takes no mask,
+    memory-efficient no GQA), and SDPA's math fallback materializes every score [b, hq, sq, skv].
+    """
     n_rep = q.shape[1] // k.shape[1]
+    if mask is None and native_gqa(q.device):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
     if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
-        v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, s, hd] -> [b, hq, s, hd]
+        k = k.repeat_interleave(n_rep, dim=1)  # [b, hkv, skv, hd] -> [b, hq, skv, hd]
+        v = v.repeat_interleave(n_rep, dim=1)  # [b, hkv, skv, hd] -> [b, hq, skv, hd]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
+def native_gqa(device: torch.device) -> bool:
+    """Whether unmasked SDPA takes K and V with their kv heads (enable_gqa) on `device`.
+
+    Not on CPU: torch's CPU flash kernel is faster so (a debug-model step with 4 kv heads, batch
+    8 x 256, one thread: 841 -> 789 ms fp32, 718 -> 683 ms bf16 of CPU time), but its bf16
+    backward sums the query heads' K and V gradients less exactly (32 heads over 8: dk 7.2e-3
+    off fp64, relative, against 4.8e-3 repeated), enough to push bf16 layouts apart (TP 4 against
+    one process: 1.2e-4 on the second loss, against 2e-5). CUDA's flash kernel, by its source,
+    writes per-head gradients and sums them, as the repeated form's backward does.
+    """
+    return device.type != "cpu"
+
+
 @functools.cache
-def _compiled_flex_attention():
-    """Made on first use: torch.compile at import would load inductor into every process that
-    imports the model (a second or more of start-up for each rank, GPU job or not)."""
-    return torch.compile(flex_attention)
+def _compiled(fn):
+    """fn under torch.compile, made on first use: torch.compile at import would load inductor
+    into every process that imports the model (a second or more of start-up for each rank, GPU
+    job or not)."""
+    return torch.compile(fn)
+
+
+def _flex(fn, device: torch.device):
+    """flex_attention or create_block_mask as run on `device`: compiled, except on CPU.
+
+    Eager flex_attention is a dense reference that materializes every score, and eager
+    create_block_mask evaluates the mask on the whole [b, s, s] grid in memory; compiled, they
+    are the block-sparse kernel that skips the blocks across documents and a fused per-block
+    mask builder (torchtitan compiles both). On CPU flex attention only runs without gradients
+    (torch has no CPU backward for it): there the exact eager reference serves evaluation and
+    spares a compile.
+    """
+    return fn if device.type == "cpu" else _compiled(fn)
 
 
 def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
-    # Eager flex_attention is a dense reference that materializes every score; compiled, it is
-    # the block-sparse kernel that skips the blocks across documents. On CPU it only runs
-    # without gradients (torch has no CPU backward for it): there the exact eager reference
-    # serves evaluation and spares a compile.
-    flex = flex_attention if q.device.type == "cpu" else _compiled_flex_attention()
+    flex = _flex(flex_attention, q.device)
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -126,7 +162,11 @@ def document_block_mask(doc: torch.Tensor) -> BlockMask:
         return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
     b, s = doc.shape
-    return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
+    # Built once per forward, for all layers. Compiled, later steps reuse the graph: the mask
+    # function is a new closure each step, but dynamo guards on its code and treats the document
+    # ids it reads as a graph input.
+    create = _flex(create_block_mask, doc.device)
+    return create(same_document_causal, b, None, s, s, device=doc.device)
 
 
 class Attention(nn.Module):
