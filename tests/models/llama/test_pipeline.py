@@ -6,10 +6,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from titanlite.models.llama.args import get_model_args
 from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.pipeline import cut_stage, plan_pipeline, split_layers
+from titanlite.models.llama.pipeline import (
+    PipelinedModel,
+    cut_stage,
+    plan_pipeline,
+    split_layers,
+)
 
 
 def options(schedule="1F1B", layers_per_stage=0, first=1, last=1, microbatch_size=1):
@@ -102,3 +109,23 @@ def test_stages_keep_the_whole_models_names_and_run_in_sequence():
     hidden = stages[0](tokens, labels)
     assert hidden.shape == (2, 16, args.dim)  # a stage without the head returns hidden states
     torch.testing.assert_close(stages[1](hidden, labels), whole(tokens, labels), rtol=0, atol=0)
+
+
+def test_last_stage_gets_chunk_tokens_outside_the_schedules_inputs():
+    """Torch 2.11's zero-bubble backward looks up a grad_fn for every input the schedule gives a
+    stage, so chunk_tokens (an int) cannot be one; the last stage still computes the chunked
+    loss. A one-rank group: the stages are only built and called here, not scheduled."""
+    args = get_model_args("debugmodel", vocab_size=64, max_seq_len=16, n_layers=2)
+    whole = Transformer(args)
+    plan = plan_pipeline(args.n_layers, 1, 2, options("ZBVZeroBubble", first=0, last=0))
+    stages = [cut_stage(whole, plan.stage_layers[i], i == 0, i == 1) for i in range(2)]
+    chunks = []
+    stages[1].chunked_loss = lambda h, weight, labels, chunk: chunks.append(chunk) or h.sum()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = PipelinedModel(stages, [0, 1], plan, init_device_mesh("cpu", (1,)), "cpu")
+        model.chunk_tokens = 5
+        stages[1](torch.randn(2, 16, args.dim), labels=torch.randint(0, 64, (2, 16)))
+    finally:
+        dist.destroy_process_group()
+    assert chunks == [5]

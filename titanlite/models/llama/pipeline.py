@@ -228,8 +228,10 @@ class PipelinedModel(nn.Module):
         self.args = stages[0].args
         self.has_first, self.microbatches = 0 in stage_ids, plan.microbatches
         group = pp_mesh.get_group()
+        self.chunk_tokens = 0
         for stage, i in zip(stages, stage_ids):
             if i == plan.num_stages - 1:
+                stage.register_forward_pre_hook(self._pass_chunk_tokens, with_kwargs=True)
                 stage.register_forward_hook(loss_as_vector)
         pipeline_stages = [PipelineStage(m, i, plan.num_stages, device, group=group)
                            for m, i in zip(stages, stage_ids)]  # fmt: skip
@@ -253,9 +255,15 @@ class PipelinedModel(nn.Module):
             if hasattr(stage, "reshard"):
                 stage.reshard()
 
+    def _pass_chunk_tokens(self, _stage, args, kwargs):
+        """chunk_tokens reaches the last stage here, not through the schedule: torch 2.11's
+        zero-bubble backward looks up a grad_fn for every stage input, and an int has none."""
+        return args, {**kwargs, "chunk_tokens": self.chunk_tokens}
+
     def _run(self, run, tokens, labels, chunk_tokens) -> torch.Tensor:
         inputs = (tokens,) if self.has_first else ()
-        run(*inputs, target=labels, labels=labels, chunk_tokens=chunk_tokens)
+        self.chunk_tokens = chunk_tokens
+        run(*inputs, target=labels, labels=labels)
         loss_sum = self.loss.take(self.microbatches)
         return torch.zeros((), device=self.device) if loss_sum is None else loss_sum
 
