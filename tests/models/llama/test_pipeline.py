@@ -111,21 +111,31 @@ def test_stages_keep_the_whole_models_names_and_run_in_sequence():
     torch.testing.assert_close(stages[1](hidden, labels), whole(tokens, labels), rtol=0, atol=0)
 
 
-def test_last_stage_gets_chunk_tokens_outside_the_schedules_inputs():
-    """Torch 2.11's zero-bubble backward looks up a grad_fn for every input the schedule gives a
-    stage, so chunk_tokens (an int) cannot be one; the last stage still computes the chunked
-    loss. A one-rank group: the stages are only built and called here, not scheduled."""
-    args = get_model_args("debugmodel", vocab_size=64, max_seq_len=16, n_layers=2)
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule):
+    """Both stages on one rank (a one-rank group), the chunked loss on. What torch 2.11 needs
+    there: no int among a stage's inputs (its zero-bubble backward looks up a grad_fn for each),
+    and no warm-up send from a rank to itself (gloo has none)."""
+    args = get_model_args("debugmodel", vocab_size=64, max_seq_len=16, n_layers=2, dim=32)
     whole = Transformer(args)
-    plan = plan_pipeline(args.n_layers, 1, 2, options("ZBVZeroBubble", first=0, last=0))
+    whole.init_weights(seed=0)
+    plan = plan_pipeline(args.n_layers, 1, 2, options(schedule, first=0, last=0))
     stages = [cut_stage(whole, plan.stage_layers[i], i == 0, i == 1) for i in range(2)]
     chunks = []
-    stages[1].chunked_loss = lambda h, weight, labels, chunk: chunks.append(chunk) or h.sum()
+    chunked = stages[1].chunked_loss
+    stages[1].chunked_loss = lambda *a: chunks.append(a[-1]) or chunked(*a)
+    tokens, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = PipelinedModel(stages, [0, 1], plan, init_device_mesh("cpu", (1,)), "cpu")
-        model.chunk_tokens = 5
-        stages[1](torch.randn(2, 16, args.dim), labels=torch.randint(0, 64, (2, 16)))
+        loss = model.forward_backward(tokens, labels, loss_scale=0.5, chunk_tokens=5)
     finally:
         dist.destroy_process_group()
-    assert chunks == [5]
+    expected = whole(tokens, labels)
+    (expected * 0.5).backward()
+    torch.testing.assert_close(loss, expected.detach())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads.keys() == dict(whole.named_parameters()).keys()
+    for name, p in whole.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    assert set(chunks) == {5}  # every last-stage forward used the chunked loss

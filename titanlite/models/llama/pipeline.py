@@ -209,6 +209,17 @@ class ScaledLoss:
         return torch.cat(sums).sum() if sums else None
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose connection warm-up skips this rank itself. Torch 2.11 warms up a
+    connection to the next and previous stage's rank, which on a V-shaped schedule's middle turn
+    is the same rank: gloo cannot send to itself, and the schedule already passes tensors
+    between two stages of one rank without a send. (Later torch warms up differently.)"""
+
+    def _get_init_p2p_neighbors_ops(self):
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
+
 class PipelinedModel(nn.Module):
     """This rank's stages as one model for the optimizer, checkpoints, clipping and init: it
     holds their submodules under the whole model's names (tok_embeddings, layers.N, norm,
@@ -233,7 +244,7 @@ class PipelinedModel(nn.Module):
             if i == plan.num_stages - 1:
                 stage.register_forward_pre_hook(self._pass_chunk_tokens, with_kwargs=True)
                 stage.register_forward_hook(loss_as_vector)
-        pipeline_stages = [PipelineStage(m, i, plan.num_stages, device, group=group)
+        pipeline_stages = [_Stage(m, i, plan.num_stages, device, group=group)
                            for m, i in zip(stages, stage_ids)]  # fmt: skip
         cls, self.loss = get_schedule_class(plan.schedule), ScaledLoss()
         multi = issubclass(cls, PipelineScheduleMulti)
