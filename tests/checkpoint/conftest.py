@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager
 
 from titanlite.checkpoint import CheckpointManager, plan_load
+from titanlite.checkpoint.staging import ReusingStager
 from titanlite.config import Checkpoint
 from titanlite.hf import hf_files
 
@@ -97,9 +97,9 @@ def assert_same(a, b):
 
 
 def keep_staged(staged: list):
-    """DefaultStager.stage, also keeping every state dict it staged in `staged`: kept alive, the
+    """ReusingStager.stage, also keeping every state dict it staged in `staged`: kept alive, the
     buffers of a later save could not land at the addresses of an earlier one by chance."""
-    stage = DefaultStager.stage
+    stage = ReusingStager.stage
 
     def spy(self, state_dict, **kwargs):
         staged.append(stage(self, state_dict, **kwargs))

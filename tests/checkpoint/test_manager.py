@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import assert_nested_equal, torchrun_script
-from torch.distributed.checkpoint.staging import DefaultStager
 
 from titanlite.checkpoint import MARKER, scan_checkpoints
 from titanlite.checkpoint.manager import _capture_rng, _restore_rng
+from titanlite.checkpoint.staging import ReusingStager
 
 WORKERS = Path(__file__).with_name("workers.py")
 
@@ -97,7 +97,7 @@ def tensor_ptrs(state, path=""):
 
 def test_async_staging_reuses_its_buffers_and_keeps_call_time_values(tiny, tmp_path, monkeypatch):
     staged = []
-    monkeypatch.setattr(DefaultStager, "stage", tiny.keep_staged(staged))
+    monkeypatch.setattr(ReusingStager, "stage", tiny.keep_staged(staged))
     mgr = tiny.manager(tmp_path, async_mode="async")
     tiny.train(mgr, 1)  # saves step 1: allocates the staging buffers
     tiny.train(mgr, 1, save=False)

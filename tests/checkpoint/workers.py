@@ -15,7 +15,6 @@ import torch.distributed as dist
 from conftest import build_manager, hf_weights, keep_staged, resume, train_steps
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -25,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from titanlite.checkpoint import CheckpointManager, plan_load
+from titanlite.checkpoint.staging import ReusingStager
 from titanlite.config import Checkpoint
 from titanlite.distributed import destroy
 from titanlite.hf import to_hf, write_hf_config
@@ -71,7 +71,7 @@ def fsdp(folder: str, mode: str) -> None:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if mode == "save":
         staged = []
-        DefaultStager.stage = keep_staged(staged)
+        ReusingStager.stage = keep_staged(staged)
         _same_step_on_every_rank(mgr)
         mgr.save(1)
         _same_step_on_every_rank(mgr)  # while step 1 is written

@@ -40,16 +40,12 @@ from titanlite.checkpoint.plan import (
     read_hf_metadata,
     read_metadata,
 )
+from titanlite.checkpoint.staging import ReusingStager
 from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import EXCLUDABLE, ConfigError
 from titanlite.data.stream import dp_degree_changed
 from titanlite.hf import read_hf_config
 from titanlite.precision import DTYPES
-
-try:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-except ImportError:  # torch < 2.9: every async save stages into fresh memory
-    DefaultStager = None
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +95,6 @@ def _stream_state(loader) -> dict | None:
     return None if stream_state_dict is None else stream_state_dict()
 
 
-def _reusable_stager():
-    """Staging buffers kept across async saves: the first save allocates this rank's host copy
-    of the state (pinned when it comes from a GPU, for fast device-to-host copies), later saves
-    copy into it. Staging blocks the caller: the training step after `save()` updates the
-    weights in place. Positional options: the last one was renamed between torch releases."""
-    if DefaultStager is None:
-        return None
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(cuda, False, False, cuda))
-
-
 class CheckpointManager:
     """Save/load the whole training state: the DCP keys are in the module docstring, the folders
     in layout.py.
@@ -140,7 +125,7 @@ class CheckpointManager:
         # interleave with the training step's and deadlock or time out.
         self._pg = self._stager = None
         if ckpt_cfg.async_mode == "async":
-            self._stager = _reusable_stager()
+            self._stager = ReusingStager()
             if dist_on():
                 self._pg = dist.new_group(backend="gloo")
 
@@ -169,9 +154,8 @@ class CheckpointManager:
             self._export(step, tmp)
         elif self.cfg.async_mode == "async":
             state = self._state_to_save(step, model_only)
-            stager = {} if self._stager is None else {"async_stager": self._stager}
             written = dcp.async_save(
-                state, checkpoint_id=str(tmp), process_group=self._pg, **stager
+                state, checkpoint_id=str(tmp), process_group=self._pg, async_stager=self._stager
             )
             self._published = self._publisher.submit(self._publish_when_written, written, step)
         else:

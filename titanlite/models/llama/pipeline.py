@@ -209,6 +209,17 @@ class ScaledLoss:
         return torch.cat(sums).sum() if sums else None
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose connection warm-up skips this rank itself. Torch 2.11 warms up a
+    connection to the next and previous stage's rank, which on a V-shaped schedule's middle turn
+    is the same rank: gloo cannot send to itself, and the schedule already passes tensors
+    between two stages of one rank without a send. (Later torch warms up differently.)"""
+
+    def _get_init_p2p_neighbors_ops(self):
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
+
 class PipelinedModel(nn.Module):
     """This rank's stages as one model for the optimizer, checkpoints, clipping and init: it
     holds their submodules under the whole model's names (tok_embeddings, layers.N, norm,
@@ -228,10 +239,12 @@ class PipelinedModel(nn.Module):
         self.args = stages[0].args
         self.has_first, self.microbatches = 0 in stage_ids, plan.microbatches
         group = pp_mesh.get_group()
+        self.chunk_tokens = 0
         for stage, i in zip(stages, stage_ids):
             if i == plan.num_stages - 1:
+                stage.register_forward_pre_hook(self._pass_chunk_tokens, with_kwargs=True)
                 stage.register_forward_hook(loss_as_vector)
-        pipeline_stages = [PipelineStage(m, i, plan.num_stages, device, group=group)
+        pipeline_stages = [_Stage(m, i, plan.num_stages, device, group=group)
                            for m, i in zip(stages, stage_ids)]  # fmt: skip
         cls, self.loss = get_schedule_class(plan.schedule), ScaledLoss()
         multi = issubclass(cls, PipelineScheduleMulti)
@@ -253,9 +266,15 @@ class PipelinedModel(nn.Module):
             if hasattr(stage, "reshard"):
                 stage.reshard()
 
+    def _pass_chunk_tokens(self, _stage, args, kwargs):
+        """chunk_tokens reaches the last stage here, not through the schedule: torch 2.11's
+        zero-bubble backward looks up a grad_fn for every stage input, and an int has none."""
+        return args, {**kwargs, "chunk_tokens": self.chunk_tokens}
+
     def _run(self, run, tokens, labels, chunk_tokens) -> torch.Tensor:
         inputs = (tokens,) if self.has_first else ()
-        run(*inputs, target=labels, labels=labels, chunk_tokens=chunk_tokens)
+        self.chunk_tokens = chunk_tokens
+        run(*inputs, target=labels, labels=labels)
         loss_sum = self.loss.take(self.microbatches)
         return torch.zeros((), device=self.device) if loss_sum is None else loss_sum
 
