@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -124,10 +125,22 @@ def train_many(jobs: list, nproc: int, timeout=900):
 
 
 def free_port() -> int:
-    """A TCP port free on this host now (for a rendezvous or a daemon to bind)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this host now, for a rendezvous or a daemon to bind, taken below the
+    kernel's ephemeral range: the bind may come many seconds later (a requeued SLURM job), and by
+    then a port of that range may have gone to any process's outgoing connection or gloo
+    listener, and a rendezvous that cannot bind its port connects to whoever holds it."""
+    port_range = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; 32768 is its default
+    ephemeral_low = int(port_range.read_text().split()[0]) if port_range.exists() else 32768
+    rng = random.SystemRandom()  # not the tests' seeded `random`
+    for _ in range(1000):
+        port = rng.randrange(10_000, ephemeral_low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in 10000-{ephemeral_low}")
 
 
 def read_jsonl(path):

@@ -27,6 +27,8 @@ def load_gpu_check():
 gc = load_gpu_check()
 GPU = gc.Machine(ngpu=1, device="1x NVIDIA H100 80GB HBM3", torch="2.11.0+cu130",
                  memory_gib=79.2, float8=True)  # fmt: skip
+# The script runs $PYTHON (default python3): this interpreter, as an unactivated venv has it.
+PYTHON = sys.executable
 CPU_SMOKE = gc.Machine(0, "cpu", "2.13.0+cpu", 0.0, float8=False, cpu_smoke=True)
 
 
@@ -90,7 +92,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_shell_script_without_a_gpu(tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", GPU_CHECK_WHEELS=str(tmp_path))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", GPU_CHECK_WHEELS=str(tmp_path), PYTHON=PYTHON)
     proc = subprocess.run([str(REPO / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -102,7 +104,7 @@ def test_cpu_smoke_runs_the_debug_stage_end_to_end(tmp_path):
     """The debug stage's four train.py runs (one under torchrun) and its bitwise comparison,
     tiny and on a CPU: the commands, the result rows and the table all work."""
     out = tmp_path / "out"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHON=PYTHON)
     cmd = [str(REPO / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--out", str(out), "debug"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
