@@ -375,6 +375,17 @@ def test_compiled_flex_builds_one_mask_per_forward_and_never_recompiles(monkeypa
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_flex_is_compiled_once_off_cpu_and_traced_inline_in_compiled_blocks(monkeypatch):
+    """On a GPU, eager blocks call flex through one cached torch.compile wrapper; compiled blocks
+    get the plain function, which dynamo traces into their graph."""
+    cuda, create = torch.device("cuda"), model_module.create_block_mask
+    assert model_module._flex(create, torch.device("cpu")) is create
+    wrapped = model_module._flex(create, cuda)
+    assert wrapped is not create and wrapped is model_module._flex(create, cuda)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert model_module._flex(create, cuda) is create
+
+
 def test_flex_attention_backend_needs_document_masking():
     with pytest.raises(ValueError, match="flex only applies document masks"):
         build(attention_backend="flex")

@@ -126,9 +126,13 @@ def _flex(fn, device: torch.device):
     are the block-sparse kernel that skips the blocks across documents and a fused per-block
     mask builder (torchtitan compiles both). On CPU flex attention only runs without gradients
     (torch has no CPU backward for it): there the exact eager reference serves evaluation and
-    spares a compile.
+    spares a compile. Inside compiled blocks (--compile.enable) dynamo traces fn into the block's
+    own graph, so fn is returned as is: tracing into the cached torch.compile wrapper instead
+    makes dynamo warn that it bypasses the cache, on every compiled run.
     """
-    return fn if device.type == "cpu" else _compiled(fn)
+    if device.type == "cpu" or torch.compiler.is_compiling():
+        return fn
+    return _compiled(fn)
 
 
 def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
