@@ -68,9 +68,9 @@ def estimate_ok(estimate_gib: float, measured_gib: float) -> bool:
     return abs(estimate_gib - measured_gib) <= ESTIMATE_TOLERANCE * measured_gib
 
 
-def same_losses(a: list[dict], b: list[dict], after: int = 0) -> tuple[str, str]:
-    """(PASS or FAIL, why): the two runs logged the same steps after `after`, with bitwise-equal
-    losses (json keeps every bit of a float)."""
+def same_losses(a: list[dict], b: list[dict], after: int = 0, rtol: float = 0.0) -> tuple[str, str]:
+    """(PASS or FAIL, why): the two runs logged the same steps after `after`, with losses equal
+    to within `rtol` of a's (0: bitwise, and json keeps every bit of a float)."""
 
     def losses(records):
         return {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
@@ -80,9 +80,13 @@ def same_losses(a: list[dict], b: list[dict], after: int = 0) -> tuple[str, str]
     if not la or la.keys() != lb.keys():
         return "FAIL", f"steps after {after} differ: {len(la)} vs {len(lb)} logged"
     diff = max(abs(la[s] - lb[s]) for s in la)
-    if diff:
-        return "FAIL", f"max |loss difference| {diff:.3g} over {len(la)} steps after {after}"
-    return "PASS", f"{len(la)} steps after {after} bitwise equal"
+    if not diff:
+        return "PASS", f"{len(la)} steps after {after} bitwise equal"
+    within = all(abs(la[s] - lb[s]) <= rtol * abs(la[s]) for s in la)
+    return ("PASS" if within else "FAIL"), (
+        f"max |loss difference| {diff:.3g} over {len(la)} steps after {after}"
+        + (f" (tolerance {rtol:g} relative)" if rtol else "")
+    )
 
 
 def parse_estimate(text: str) -> float | None:

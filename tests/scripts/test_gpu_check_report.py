@@ -93,6 +93,19 @@ def test_same_losses_is_bitwise_after_step_k(tmp_path):
     assert report.same_losses([], [])[0] == "FAIL"
 
 
+def test_same_losses_within_a_relative_tolerance(tmp_path):
+    base = [5.0, 4.5, 4.25, 4.0]
+    a = write_metrics(tmp_path / "a", base)
+    close = write_metrics(tmp_path / "b", [5.0, 4.5, 4.2504, 4.0])  # 1e-4 relative at step 3
+    assert report.same_losses(a, close)[0] == "FAIL"
+    assert report.same_losses(a, close, rtol=1e-3) == (
+        "PASS",
+        "max |loss difference| 0.0004 over 4 steps after 0 (tolerance 0.001 relative)",
+    )
+    assert report.same_losses(a, close, rtol=5e-5)[0] == "FAIL"
+    assert report.same_losses(a, a, rtol=1e-3)[1] == "4 steps after 0 bitwise equal"
+
+
 def test_parse_estimate_reads_estimate_memory_output(capsys):
     estimate_memory = load_script("estimate_memory")
     argv = ["--job.config_file", "debug_model.toml", "--vocab_size", "2048"]
