@@ -121,7 +121,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for v in variants:
             runs[v].append(run_in_subprocess(v))
-    head = ["loss", "peak memory over inputs (GiB)", "vs plain", "median fwd+bwd (s)", "vs plain"]
+    head = ["loss", "peak memory over inputs (GiB)", "vs plain", "median fwd+bwd (ms)", "vs plain"]
     print("| " + " | ".join([*head, "loss value"]) + " |")
     print("|---|" + "---:|" * 5)
     ref_peak = ref_time = None
@@ -133,7 +133,7 @@ def main() -> None:
             f"chunked {v}" if v else "plain",
             f"{peak / GIB:.2f}",
             f"{peak / ref_peak:.2f}",
-            f"{t:.2f}",
+            f"{t * 1e3:.1f}",
             f"{t / ref_time:.2f}",
             f"{runs[v][-1]['loss']:.2f}",
         ]

@@ -128,7 +128,7 @@ def test_parse_estimate_leaves_out_memory_outside_the_allocator():
 
 def test_bench_loss_note():
     table = "\n".join([
-        "| loss | peak memory over inputs (GiB) | vs plain | median fwd+bwd (s) | vs plain "
+        "| loss | peak memory over inputs (GiB) | vs plain | median fwd+bwd (ms) | vs plain "
         "| loss value |",
         "|---|---:|---:|---:|---:|---:|",
         "| plain | 8.00 | 1.00 | 0.10 | 1.00 | 11.90 |",
