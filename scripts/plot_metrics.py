@@ -168,7 +168,8 @@ def build_figure(runs: dict[str, dict[int, dict]], dpi: float = 90):
         for color, records in zip(colors, runs.values()):
             for s in drawn:
                 steps, values = series_points(records, s.key)
-                ax.plot(steps, values, s.style, marker=s.marker, markersize=3, color=color)
+                if steps:  # a run that never logged this key gets no line, not an empty one
+                    ax.plot(steps, values, s.style, marker=s.marker, markersize=3, color=color)
         if len(drawn) > 1:  # which line is which: the colours are the runs, styles the series
             handles = [Line2D([], [], color="0.3", ls=s.style, marker=s.marker) for s in drawn]
             ax.legend(handles, [s.label for s in drawn], fontsize="small")
