@@ -336,6 +336,7 @@ class Trainer:
             **self.memory.log_values(),
             data_time_pct=100 * window.data_seconds / window.seconds,
             elapsed_s=self.state.elapsed_s,
+            tokens_seen=self.state.tokens_seen,
         )
         self.memory.reset_peak_stats()
         return values

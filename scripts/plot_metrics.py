@@ -2,6 +2,7 @@
 
     python scripts/plot_metrics.py outputs/debug -o curves.png
     python scripts/plot_metrics.py outputs/run_a outputs/run_b -o compare.png --dpi 120
+    python scripts/plot_metrics.py outputs/run_a outputs/run_b -o compare.png --x tokens
 
 Each RUN_DIR is a job.dump_folder (or the metrics.jsonl in one): train.py writes one JSON
 object per logged step to {dump_folder}/metrics.jsonl. The figure has one panel per quantity,
@@ -12,10 +13,9 @@ its folder. A panel no run logged a value for (MFU without a known peak) is left
 is a line (validation loss where validation never ran). The image format follows the -o suffix
 (png, pdf, svg).
 
-The x axis is the step only. Tokens seen is not plotted: metrics.jsonl does not log it (train.py
-keeps tokens_seen in its checkpointed state, not in the metrics), and it cannot be derived from
-what is logged: wps is per device, and neither the world size nor the dp degree that a
-global_batch_size of -1 stands for is recorded.
+The x axis is the step, or with `--x tokens` the tokens seen (metrics.jsonl's tokens_seen: the
+job's global batch x seq_len per step so far), which puts runs of different batch sizes on one
+scale.
 
 Bad input (a RUN_DIR without metrics.jsonl, an empty or corrupt line) stops with one line on
 stderr and exit status 2. Needs matplotlib (pip install matplotlib).
@@ -117,16 +117,20 @@ def load_run(run: Path) -> dict[int, dict]:
     return dict(sorted(by_step.items()))
 
 
-def series_points(records: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the steps that logged `key`. Non-finite values (a NaN loss on a
-    skipped step) are dropped: an infinity would squash the rest of the axis to a line."""
-    steps, values = [], []
-    for step, record in records.items():
-        value = record.get(key)
-        if value is not None and math.isfinite(value):
-            steps.append(step)
+X_KEYS = {"step": "step", "tokens": "tokens_seen"}
+
+
+def series_points(records: dict[int, dict], key: str, x: str = "step") -> tuple[list, list]:
+    """(x values, values) of the steps that logged `key`, x being the step or the tokens seen.
+    Non-finite values (a NaN loss on a skipped step) are dropped: an infinity would squash the
+    rest of the axis to a line."""
+    xs, values = [], []
+    for record in records.values():
+        value, at = record.get(key), record.get(X_KEYS[x])
+        if value is not None and at is not None and math.isfinite(value):
+            xs.append(at)
             values.append(value)
-    return steps, values
+    return xs, values
 
 
 def run_labels(runs: list[Path]) -> list[str]:
@@ -139,16 +143,16 @@ def run_labels(runs: list[Path]) -> list[str]:
     return [str(d) for d in dirs]
 
 
-def build_figure(runs: dict[str, dict[int, dict]], dpi: float = 90):
-    """A grid with one panel per quantity some run logged; `runs` maps a run's label to its
-    records by step."""
+def build_figure(runs: dict[str, dict[int, dict]], dpi: float = 90, x: str = "step"):
+    """A grid with one panel per quantity some run logged, against `x` (step or tokens); `runs`
+    maps a run's label to its records by step."""
     # Figure and the Agg canvas directly, not pyplot: no display, no global figure state.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
     def logged(key):
-        return any(series_points(records, key)[0] for records in runs.values())
+        return any(series_points(records, key, x)[0] for records in runs.values())
 
     panels = [p for p in PANELS if any(logged(s.key) for s in p.series)]
     if not panels:
@@ -162,20 +166,29 @@ def build_figure(runs: dict[str, dict[int, dict]], dpi: float = 90):
     for i, panel in enumerate(panels):
         ax = fig.add_subplot(nrows, ncols, i + 1)
         ax.set_title(panel.title)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step" if x == "step" else "tokens seen")
         ax.grid(alpha=0.3)
         drawn = [s for s in panel.series if logged(s.key)]
         for color, records in zip(colors, runs.values()):
             for s in drawn:
-                steps, values = series_points(records, s.key)
-                if steps:  # a run that never logged this key gets no line, not an empty one
-                    ax.plot(steps, values, s.style, marker=s.marker, markersize=3, color=color)
+                xs, values = series_points(records, s.key, x)
+                if xs:  # a run that never logged this key gets no line, not an empty one
+                    ax.plot(xs, values, s.style, marker=s.marker, markersize=3, color=color)
         if len(drawn) > 1:  # which line is which: the colours are the runs, styles the series
             handles = [Line2D([], [], color="0.3", ls=s.style, marker=s.marker) for s in drawn]
             ax.legend(handles, [s.label for s in drawn], fontsize="small")
     handles = [Line2D([], [], color=c) for c in colors]
     fig.legend(handles, list(runs), loc="outside upper center", ncols=min(len(runs), 4))
     return fig
+
+
+def check_tokens_seen(runs: dict[str, dict[int, dict]]) -> None:
+    for label, records in runs.items():
+        if not any(r.get("tokens_seen") is not None for r in records.values()):
+            raise MetricsError(
+                f"{label}: no tokens_seen in its metrics (a run older than that key): plot it "
+                "against the step (--x step)"
+            )
 
 
 def panel_titles(fig) -> list[str]:
@@ -188,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="a job.dump_folder")
     p.add_argument("-o", "--output", type=Path, default=Path("curves.png"), help="image to write")
     p.add_argument("--dpi", type=float, default=90, help="resolution of the image (default 90)")
+    p.add_argument("--x", choices=list(X_KEYS), default="step", help="x axis (default step)")
     a = p.parse_args(argv)
     try:
         import matplotlib  # noqa: F401
@@ -196,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         runs = dict(zip(run_labels(a.runs), (load_run(r) for r in a.runs)))
-        fig = build_figure(runs, a.dpi)
+        if a.x == "tokens":
+            check_tokens_seen(runs)
+        fig = build_figure(runs, a.dpi, a.x)
         try:
             fig.savefig(a.output)
         except OSError as e:

@@ -27,10 +27,11 @@ def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30]
     keys = {"step", "loss", "grad_norm", "lr", "wps", "tflops", "mfu", "memory_gib"}
-    keys |= {"data_time_pct", "elapsed_s"}
+    keys |= {"data_time_pct", "elapsed_s", "tokens_seen"}
     for r in rows:
         assert keys <= r.keys()
         assert r["wps"] > 0 and r["mfu"] > 0 and r["memory_gib"] > 0
+        assert r["tokens_seen"] == r["step"] * 4 * 64  # one process: local batch x seq_len
     # ln(2048) = 7.6 at init; the falling loss shows the whole pipeline learns.
     assert rows[0]["loss"] > 7.0
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0

@@ -153,3 +153,25 @@ def test_without_matplotlib_it_says_how_to_install_it(tmp_path, capsys, monkeypa
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises
     err = error_of(capsys, [str(run), "-o", str(tmp_path / "x.png")])
     assert err == "plot_metrics: error: needs matplotlib: pip install matplotlib"
+
+
+def test_against_tokens_seen_runs_of_two_batch_sizes_share_one_axis(tmp_path, capsys):
+    small = write_run(tmp_path / "small", [record(s, tokens_seen=256.0 * s) for s in range(1, 5)])
+    big = write_run(tmp_path / "big", [record(s, tokens_seen=512.0 * s) for s in range(1, 5)])
+    runs = {"small": plot.load_run(small), "big": plot.load_run(big)}
+    fig = plot.build_figure(runs, dpi=50, x="tokens")
+    loss = fig.axes[0]
+    assert loss.get_xlabel() == "tokens seen"
+    assert [list(line.get_xdata()) for line in loss.get_lines()] == [
+        [256.0, 512.0, 768.0, 1024.0],
+        [512.0, 1024.0, 1536.0, 2048.0],
+    ]
+    out = tmp_path / "tokens.png"
+    assert plot.main([str(small), str(big), "-o", str(out), "--x", "tokens"]) == 0
+    assert out.is_file()
+    # A run whose metrics lack tokens_seen cannot be put on that axis: said, not drawn empty.
+    old = write_run(tmp_path / "old", [record(s) for s in range(1, 5)])
+    capsys.readouterr()
+    assert plot.main([str(small), str(old), "-o", str(tmp_path / "x.png"), "--x", "tokens"]) == 2
+    assert "old: no tokens_seen in its metrics" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
