@@ -207,7 +207,9 @@ class Trainer:
             val_loader, cfg.validation, val_schedule, self.model_context, pd, self.device
         )
         self.log_schedule = Every(cfg.metrics.log_freq, t.steps, first=True)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, enabled=self.is_log_rank)
+        self.metrics = MetricsLogger(
+            cfg.metrics, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict()
+        )
         self.memory = DeviceMemoryMonitor(self.device)
         self.peak_flops = get_peak_flops(
             self.device, self.compute_dtype, cfg.metrics.peak_tflops, float8_enabled(cfg)
@@ -218,15 +220,15 @@ class Trainer:
         try:
             self.checkpointer.load(load_plan)
         except BaseException:
-            self.close()
+            self.close(exit_code=1)
             raise
         # Float8 scales precomputed after each optimizer step are not saved: compute them for
         # the loaded weights, or a resumed step would cast with other scales than the run did.
         self.after_optimizer_step(self.model)
 
     @property
-    def is_log_rank(self) -> bool:
-        return self.rank == int(os.environ.get("LOG_RANK", 0))
+    def log_rank(self) -> int:
+        return int(os.environ.get("LOG_RANK", 0))
 
     def model_context(self):
         """Around every forward and backward (CE backward on vocab-sharded logits needs it too)."""
@@ -341,10 +343,11 @@ class Trainer:
         self.memory.reset_peak_stats()
         return values
 
-    def close(self):
-        """Finish an in-flight async save, flush the logs, stop the prefetch threads."""
+    def close(self, exit_code: int = 0):
+        """Finish an in-flight async save, flush the logs (a nonzero `exit_code` marks the W&B
+        run failed), stop the prefetch threads."""
         self.checkpointer.close()
-        self.metrics.close()
+        self.metrics.close(exit_code)
         self.loader.close()
 
 
@@ -391,7 +394,7 @@ def main(argv=None) -> int:
         code = 3
     # Only on exits every rank takes together: teardown has barriers that a crashed peer would
     # hang; after an unexpected error the process just dies and torchrun stops the others.
-    trainer.close()
+    trainer.close(code)
     del trainer  # unreachable, so destroy() frees its process groups while Python is whole
     destroy()
     return code

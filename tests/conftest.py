@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from wandb_offline import wandb_offline_env
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -146,6 +147,15 @@ def free_port() -> int:
 def read_jsonl(path):
     """The metrics a run wrote, one dict per logged step."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """The real wandb (the dev extra installs it), offline; its service process stops after."""
+    wandb = pytest.importorskip("wandb")
+    wandb_offline_env(monkeypatch, tmp_path / "wandb_home")
+    yield wandb
+    wandb.teardown()
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
 """titanlite/checks.py: the checks across options (run by parse_args, and with the world size by
 check_job), each one ConfigError that names the fix; ParallelDims built from the config."""
 
+import sys
+
 import pytest
 import torch
 
@@ -42,6 +44,17 @@ def error(argv):
 )  # fmt: skip
 def test_options_that_contradict_each_other(argv, expected):
     assert expected in error(argv)
+
+
+def test_wandb_without_the_package_is_one_line_before_anything_is_built(monkeypatch, capsys):
+    import train
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # how import sees a package not installed
+    message = "metrics.enable_wandb needs the wandb package: pip install wandb"
+    assert message in error(["--metrics.enable_wandb"])
+    assert train.main(["--metrics.enable_wandb"]) == 2  # parse time: no process group, no model
+    assert capsys.readouterr().err.startswith(f"titanlite: error: {message}")
+    parse_args(["--no-metrics.enable_wandb"])  # off, the package is not needed
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from wandb_offline import read_offline_run
 
 from titanlite import metrics
+from titanlite.config import JobConfig
 
 
 def test_flops_per_token_hand_computed():
@@ -150,13 +152,14 @@ def test_cpu_monitor_logs_zero_counts_and_no_warning(caplog):
 
 
 def _cfg(**kw):
-    base = dict(log_freq=1, enable_tensorboard=True, save_tb_folder="tb", enable_jsonl=True)
+    base = dict(log_freq=1, enable_tensorboard=True, save_tb_folder="tb", enable_jsonl=True,
+                enable_wandb=False, save_for_all_ranks=False)  # fmt: skip
     return SimpleNamespace(**{**base, **kw})
 
 
 def test_logger_writes_jsonl_exactly_and_tensorboard(tmp_path, caplog):
     loss = 7.123456789012345
-    sink = metrics.MetricsLogger(_cfg(), str(tmp_path), enabled=True)
+    sink = metrics.MetricsLogger(_cfg(), str(tmp_path))
     with caplog.at_level(logging.INFO, logger="titanlite.metrics"):
         sink.log(10, {"loss": torch.tensor(loss, dtype=torch.float64), "lr": 8e-4, "mfu": None})
         sink.log(20, {"loss": 1 / 3, "val_loss": 2.5, "wps": 2345.6, "memory_gib": 60.0,
@@ -178,13 +181,82 @@ def test_logger_writes_jsonl_exactly_and_tensorboard(tmp_path, caplog):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_disabled_logger_writes_nothing(tmp_path, caplog):
-    sink = metrics.MetricsLogger(_cfg(), str(tmp_path / "out"), enabled=False)
+def test_logger_off_the_log_rank_writes_nothing(tmp_path, caplog):
+    sink = metrics.MetricsLogger(_cfg(), str(tmp_path / "out"), rank=1, log_rank=0)
     with caplog.at_level(logging.INFO):
         sink.log(1, {"loss": 1.0})
     sink.close()
     assert not (tmp_path / "out").exists()
     assert not caplog.records
+
+
+def test_save_for_all_ranks_gives_each_rank_its_own_files(tmp_path):
+    cfg = _cfg(save_for_all_ranks=True)
+    for rank in (0, 1):  # rank 1 is not the log rank: it writes all the same
+        sink = metrics.MetricsLogger(cfg, str(tmp_path), rank=rank, log_rank=0)
+        sink.log(5, {"loss": float(rank)})
+        sink.close()
+    for rank in (0, 1):
+        assert list((tmp_path / "tb" / f"rank_{rank}").glob("events.out.tfevents.*"))
+        (record,) = [json.loads(s) for s in (tmp_path / f"metrics_rank_{rank}.jsonl").open()]
+        assert record["step"] == 5 and record["loss"] == rank
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_wandb_run_args_from_the_environment(tmp_path):
+    none = dict(project="titanlite", entity=None, name=None, id=None, group=None)
+    assert metrics.wandb_run_args({}, None, tmp_path) == none
+    env = {"WANDB_PROJECT": "p", "WANDB_TEAM": "t", "WANDB_RUN_NAME": "n", "WANDB_RUN_ID": "x"}
+    assert metrics.wandb_run_args(env, None, tmp_path) == dict(
+        project="p", entity="t", name="n", id="x", group=None
+    )
+    # save_for_all_ranks: a run per rank, in a group every rank names alike, with an id a
+    # resume finds again.
+    assert metrics.wandb_run_args(env, 3, tmp_path) == dict(
+        project="p", entity="t", name="n-rank_3", id="x-rank_3", group="n"
+    )
+    args = metrics.wandb_run_args({"WANDB_ENTITY": "e"}, 3, tmp_path / "my_run")
+    assert args["entity"] == "e" and args["name"] == "rank_3" and args["group"] == "my_run"
+    assert args["id"].endswith("-rank_3")
+    assert metrics.wandb_run_args({"WANDB_RUN_GROUP": "g", **env}, 0, tmp_path)["group"] == "g"
+
+
+# Three logged steps as train.py makes them: a tensor loss, Nones, integer counts, validation.
+_STEPS = {
+    1: {"loss": torch.tensor(7.123456789012345, dtype=torch.float64), "grad_norm": 1 / 3,
+        "lr": 8e-4, "mfu": None, "memory_gib": 1.5, "alloc_retries": 0, "elapsed_s": 0.25},
+    2: {"loss": 6.5, "grad_norm": 2.0, "lr": 4e-4, "mfu": 12.5, "alloc_retries": 1},
+    4: {"loss": 5.25, "val_loss": 5.5, "val_ppl": math.exp(5.5)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("all_ranks", [False, True], ids=["log_rank", "all_ranks"])
+def test_wandb_logs_what_jsonl_logs(tmp_path, wandb_offline, all_ranks):
+    """The real wandb, offline: every step's values as metrics.jsonl has them (under the
+    TensorBoard names), the resolved config attached, and the exit code handed over."""
+    cfg = _cfg(enable_wandb=True, enable_tensorboard=False, save_for_all_ranks=all_ranks)
+    run_config = JobConfig().to_dict()
+    dump = tmp_path / "dump"
+    sink = metrics.MetricsLogger(cfg, str(dump), rank=1, log_rank=1, run_config=run_config)
+    for step, values in _STEPS.items():
+        sink.log(step, values)
+    sink.close(exit_code=3)
+
+    (run_dir,) = (dump / "wandb").glob("offline-run-*")
+    run = read_offline_run(run_dir)
+    jsonl_name = "metrics_rank_1.jsonl" if all_ranks else "metrics.jsonl"
+    jsonl = [json.loads(s) for s in (dump / jsonl_name).open()]
+    assert run.history == {r.pop("step"): metrics._tagged(r) for r in jsonl}
+    assert run.history[1]["loss/global"] == 7.123456789012345 and "mfu_pct" not in run.history[1]
+    assert run.history[4] == {"loss/global": 5.25, "loss/validation": 5.5,
+                              "ppl/validation": math.exp(5.5)}  # fmt: skip
+    assert run.config == run_config and run.config["metrics"]["enable_wandb"] is False
+    assert run.exit_code == 3
+    if all_ranks:  # the rank's own folder and name, in a group every rank derives alike
+        assert run_dir.name.endswith("-rank_1") and run.name == "rank_1" and run.group == "dump"
+    else:
+        assert run.group == ""
 
 
 def test_init_logger_levels(monkeypatch):

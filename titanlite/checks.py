@@ -2,6 +2,7 @@
 data, weights or device (degrees against the world size, the model's shapes against TP, the batch
 arithmetic), and the few that need the device."""
 
+import importlib.util
 import os
 from typing import NamedTuple
 
@@ -9,7 +10,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from titanlite.build import model_args_for
-from titanlite.config import Checkpoint, ConfigError, JobConfig, Optimizer, Training
+from titanlite.config import Checkpoint, ConfigError, JobConfig, Metrics, Optimizer, Training
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
@@ -76,6 +77,7 @@ def check_options(cfg: JobConfig) -> None:
             f"(checkpoint every Nth block), got {option!r}"
         )
     _check_early_step(cfg.optimizer, t)
+    _check_wandb_installed(cfg.metrics)
 
 
 def _check_early_step(optimizer: Optimizer, t: Training) -> None:
@@ -94,6 +96,15 @@ def _check_early_step(optimizer: Optimizer, t: Training) -> None:
             "--optimizer.early_step_in_backward has stepped every parameter by the time a "
             "non-finite gradient norm is known, so the step cannot be skipped: use "
             "--training.on_nonfinite stop"
+        )
+
+
+def _check_wandb_installed(metrics: Metrics) -> None:
+    # Found at parse time, not when the first rank logs: that comes after the model is built.
+    if metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "metrics.enable_wandb needs the wandb package: pip install wandb (or "
+            "titanlite[wandb]), or drop --metrics.enable_wandb"
         )
 
 

@@ -238,6 +238,14 @@ class Metrics:
     enable_tensorboard: bool = opt(True, "Write TensorBoard scalars")
     save_tb_folder: str = opt("tb", "TensorBoard folder inside dump_folder")
     enable_jsonl: bool = opt(True, "Write metrics.jsonl in dump_folder")
+    enable_wandb: bool = opt(
+        False,
+        "Log to Weights & Biases (needs `pip install wandb`; WANDB_MODE=offline works without "
+        "network)",
+    )
+    save_for_all_ranks: bool = opt(
+        False, "Every rank writes its own metrics (tb/rank_N, metrics_rank_N.jsonl, W&B run)"
+    )
     peak_tflops: float = opt(0.0, "Peak TFLOPS for MFU (0 = device table / CPU calibration)", ge=0)
 
 

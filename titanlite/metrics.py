@@ -1,4 +1,4 @@
-"""FLOPs and MFU, device memory, and the per-step metrics sink (console, TensorBoard, JSONL).
+"""FLOPs and MFU, device memory, and the per-step metrics sinks (console, TensorBoard, JSONL, W&B).
 
 Units used throughout: `wps` is tokens per second per device, `tflops` is achieved TFLOP/s per
 device, `mfu` is a percentage (0-100), memory is GiB (2**30 bytes).
@@ -12,8 +12,10 @@ import re
 import resource
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -342,29 +344,132 @@ def _to_float(value) -> float | None:
     return float(value)
 
 
-class MetricsLogger:
-    """Writes one step's metrics to the console, TensorBoard and {dump_folder}/metrics.jsonl.
+def _tagged(floats: dict) -> dict[str, float]:
+    """What TensorBoard and W&B get: each value under its TensorBoard tag, None left out."""
+    return {
+        _TB_TAGS.get(key) or _OPTIONAL_TB_TAGS.get(key) or key: value
+        for key, value in floats.items()
+        if value is not None
+    }
 
-    Only the logging rank passes enabled=True; elsewhere every method is a no-op and no file is
-    created. Values may be None or absent: they are left out of the console and TensorBoard and
-    written as null in JSON. Keys beyond the standard ones (e.g. val_loss) are passed through.
+
+class _Sink(Protocol):
+    """Where a logged step goes besides the console: `floats` holds Python floats or None."""
+
+    def write(self, step: int, floats: dict[str, float | None]) -> None: ...
+
+    def close(self, exit_code: int) -> None: ...
+
+
+class _TensorBoardSink:
+    def __init__(self, folder: Path):
+        # Imported here: tensorboard is slow to import and ranks that do not log skip it.
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(folder))
+
+    def write(self, step: int, floats: dict) -> None:
+        for tag, value in _tagged(floats).items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self, exit_code: int) -> None:
+        self.writer.close()
+
+
+class _JsonlSink:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Line-buffered so a crash loses at most the line being written.
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115
+
+    def write(self, step: int, floats: dict) -> None:
+        # Every standard key in every record (null when not given), so readers need no .get().
+        record = {"step": step, **dict.fromkeys(_TB_TAGS), **floats}
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self, exit_code: int) -> None:
+        self.file.close()
+
+
+class _WandbSink:
+    """One W&B run, its files under {dump_folder}/wandb/, the resolved config attached."""
+
+    def __init__(self, dump_folder: Path, rank: int | None, run_config: dict | None):
+        import wandb  # optional: checks.py made sure it is installed when enabled
+
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        args = wandb_run_args(os.environ, rank, dump_folder)
+        self.run = wandb.init(dir=str(dump_folder), config=run_config, **args)
+
+    def write(self, step: int, floats: dict) -> None:
+        self.run.log(_tagged(floats), step=step)
+
+    def close(self, exit_code: int) -> None:
+        self.run.finish(exit_code=exit_code)  # nonzero marks the run failed
+
+
+def wandb_run_args(environ, rank: int | None, dump_folder: Path) -> dict[str, str | None]:
+    """wandb.init's project, entity, name, id and group from the environment, under torchtitan's
+    names (WANDB_PROJECT, default "titanlite"; WANDB_TEAM, WANDB_RUN_NAME) or wandb's own
+    (WANDB_ENTITY, WANDB_NAME, WANDB_RUN_ID, WANDB_RUN_GROUP). wandb reads the rest itself:
+    WANDB_RESUME, WANDB_TAGS, WANDB_NOTES, WANDB_MODE.
+
+    With a rank (save_for_all_ranks) every rank is a run of its own in one group (WANDB_RUN_GROUP,
+    else the run name, else the dump folder's name: every rank derives the same one), its name
+    and id ending in rank_N so each rank's folder is told apart and a resume (WANDB_RUN_ID and
+    WANDB_RESUME) finds each rank's own run."""
+    name = environ.get("WANDB_RUN_NAME") or environ.get("WANDB_NAME")
+    run_id = environ.get("WANDB_RUN_ID")
+    group = environ.get("WANDB_RUN_GROUP")
+    if rank is not None:
+        group = group or name or Path(dump_folder).resolve().name
+        name = f"{name}-rank_{rank}" if name else f"rank_{rank}"
+        run_id = f"{run_id or uuid.uuid4().hex[:8]}-rank_{rank}"
+    return {
+        "project": environ.get("WANDB_PROJECT", "titanlite"),
+        "entity": environ.get("WANDB_TEAM") or environ.get("WANDB_ENTITY"),
+        "name": name,
+        "id": run_id,
+        "group": group,
+    }
+
+
+def _build_sinks(cfg, dump_folder: Path, rank: int | None, run_config: dict | None) -> list:
+    """The enabled sinks; `rank` (save_for_all_ranks) gives each rank its own names."""
+    sinks: list[_Sink] = []
+    if cfg.enable_tensorboard:
+        per_rank = "" if rank is None else f"rank_{rank}"
+        sinks.append(_TensorBoardSink(dump_folder / cfg.save_tb_folder / per_rank))
+    if cfg.enable_jsonl:
+        name = "metrics.jsonl" if rank is None else f"metrics_rank_{rank}.jsonl"
+        sinks.append(_JsonlSink(dump_folder / name))
+    if cfg.enable_wandb:
+        sinks.append(_WandbSink(dump_folder, rank, run_config))
+    return sinks
+
+
+class MetricsLogger:
+    """Writes one step's metrics to the console and the enabled sinks: TensorBoard,
+    {dump_folder}/metrics.jsonl, Weights & Biases. Every sink gets the same values at the same
+    steps (validation included: it is logged with its step's values).
+
+    The log rank writes (the console of other ranks is muted by init_logger); with
+    metrics.save_for_all_ranks every rank does, each under its own names (tb/rank_N,
+    metrics_rank_N.jsonl, a W&B run per rank). On a rank that does not write every method is a
+    no-op and no file is created. Values may be None or absent: they are left out of the console,
+    TensorBoard and W&B and written as null in JSON. Keys beyond the standard ones (e.g.
+    val_loss) are passed through. `run_config` (the JobConfig as a dict) is attached to the W&B
+    run.
     """
 
-    def __init__(self, metrics_cfg, dump_folder: str, enabled: bool):
-        self.enabled = enabled
-        self.tb = None
-        self.jsonl = None
-        if not enabled:
-            return
-        if metrics_cfg.enable_tensorboard:
-            # Imported here: tensorboard is slow to import and ranks that do not log skip it.
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(Path(dump_folder) / metrics_cfg.save_tb_folder))
-        if metrics_cfg.enable_jsonl:
-            Path(dump_folder).mkdir(parents=True, exist_ok=True)
-            # Line-buffered so a crash loses at most the line being written.
-            self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+    def __init__(self, metrics_cfg, dump_folder: str, rank: int = 0, log_rank: int = 0,
+                 run_config: dict | None = None):  # fmt: skip
+        all_ranks = metrics_cfg.save_for_all_ranks
+        self.enabled = all_ranks or rank == log_rank
+        self.sinks: list[_Sink] = []
+        if self.enabled:
+            sink_rank = rank if all_ranks else None
+            self.sinks = _build_sinks(metrics_cfg, Path(dump_folder), sink_rank, run_config)
 
     def log(self, step: int, values: dict) -> None:
         if not self.enabled:
@@ -375,19 +480,11 @@ class MetricsLogger:
             if floats.get(key) is not None:
                 parts.append(f"{label} {fmt.format(floats[key])}")
         logger.info("  ".join(parts))
-        if self.tb is not None:
-            for key, value in floats.items():
-                if value is not None:
-                    tag = _TB_TAGS.get(key) or _OPTIONAL_TB_TAGS.get(key) or key
-                    self.tb.add_scalar(tag, value, step)
-        if self.jsonl is not None:
-            record = {"step": step, **dict.fromkeys(_TB_TAGS), **floats}
-            self.jsonl.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(step, floats)
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close every sink; a nonzero `exit_code` marks the W&B run failed."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close(exit_code)

@@ -4,8 +4,10 @@ import pytest
 import tomllib
 import torch
 from conftest import TINY_TRAIN, read_jsonl
+from wandb_offline import read_offline_run
 
 import train
+from titanlite.metrics import _tagged
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -99,6 +101,21 @@ def test_nonfinite_steps_can_be_skipped(tmp_path, capsys):
     assert train.main([*args, "--optimizer.lr", "1e30", "--training.on_nonfinite", "skip"]) == 0
     out = capsys.readouterr()
     assert "skipped" in out.err + out.out
+
+
+def test_wandb_run_holds_what_metrics_jsonl_holds(tmp_path, wandb_offline):
+    """train.main with W&B on (offline): every logged step's values, validation's too, the
+    resolved config and the exit code, as the trainer wires the sink."""
+    args = [*TINY_TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "3"]
+    args += ["--metrics.enable_wandb", "--validation.enable", "--validation.freq", "2"]
+    assert train.main([*args, "--validation.steps", "1"]) == 0
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    run = read_offline_run(run_dir)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert run.history == {row.pop("step"): _tagged(row) for row in rows}
+    assert sorted(run.history) == [1, 2, 3] and "loss/validation" in run.history[2]
+    assert run.config["training"]["steps"] == 3 and run.config["metrics"]["enable_wandb"]
+    assert run.exit_code == 0
 
 
 def test_validation_runs_at_its_own_frequency_not_only_on_log_steps(tmp_path, train_runner):
