@@ -78,6 +78,14 @@ def check_options(cfg: JobConfig) -> None:
         )
     _check_early_step(cfg.optimizer, t)
     _check_wandb_installed(cfg.metrics)
+    if cfg.parallelism.context_parallel_rotate_method == "alltoall":
+        # torchtitan's ring exchange: the same bytes as one all-gather, sent in cp - 1 steps
+        # that overlap attention, never holding the whole sequence's K/V. titanlite gathers it
+        # (the memory estimator counts that K/V).
+        raise ConfigError(
+            "parallelism.context_parallel_rotate_method alltoall (ring attention, K/V passed "
+            "between CP ranks) is not implemented: titanlite all-gathers K/V; use allgather"
+        )
 
 
 def _check_early_step(optimizer: Optimizer, t: Training) -> None:

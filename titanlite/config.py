@@ -161,6 +161,11 @@ class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "Replicated (DDP-style) data-parallel degree")
     data_parallel_shard_degree: int = opt(-1, "FSDP degree (-1 = all ranks left over)")
     context_parallel_degree: int = opt(1, "Context-parallel degree: ranks sharing each sequence")
+    context_parallel_rotate_method: str = opt(
+        "allgather",
+        "How CP ranks share K/V: allgather (each gathers the sequence's K/V once per layer)",
+        choices=("allgather", "alltoall"),
+    )
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree")
     disable_loss_parallel: bool = opt(
         False, "Gather the logits under TP instead of computing the loss on vocab shards"
