@@ -309,7 +309,7 @@ _TB_TAGS = {
     "ooms": "memory/ooms",
     "data_time_pct": "time/data_pct",
     "elapsed_s": "time/elapsed_s",
-    "tokens_seen": "tokens_seen",  # global batch x seq_len per step so far, as the train state counts
+    "tokens_seen": "tokens_seen",  # global batch x seq_len per step so far (the train state's)
 }
 _OPTIONAL_TB_TAGS = {
     "memory_active_gib": "memory/max_active_gib",  # CUDA only
