@@ -239,6 +239,9 @@ class Metrics:
     save_tb_folder: str = opt("tb", "TensorBoard folder inside dump_folder")
     enable_jsonl: bool = opt(True, "Write metrics.jsonl in dump_folder")
     peak_tflops: float = opt(0.0, "Peak TFLOPS for MFU (0 = device table / CPU calibration)", ge=0)
+    log_layer_grad_norms: bool = opt(
+        False, "On log steps, also log each block's grad norm (layers.N, embedding, output head)"
+    )
 
 
 @dataclass
