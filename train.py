@@ -291,8 +291,9 @@ class Trainer:
         return 0
 
     def train_step(self, log: bool = False) -> StepResult:
-        """One optimizer step; `log`: the step will be logged (its block grad norms are
-        measured then only: they cost a reduction per block group and a pass over the names)."""
+        """One optimizer step; `log`: the step will be logged, so its block grad norms are
+        measured if asked (a pass over the parameter names; the norm's reductions then carry
+        one value per block instead of one in all)."""
         t0 = time.perf_counter()
         microbatches = self.loader.next_step()
         t_data = time.perf_counter() - t0
