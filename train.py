@@ -33,9 +33,10 @@ from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import dump_toml, parse_args
 from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.distributed import (
-    clip_grad_norm_,
+    clip_by_total_,
     destroy,
     dist_sum,
+    grad_square_sums,
     init_distributed,
     local_value,
     to_device,
@@ -108,10 +109,29 @@ def count_step_tokens(microbatches, counts: bool, stop_vote: bool, device):
     return votes[0], votes[1]
 
 
+def block_names(n_layers: int) -> list[str]:
+    """The blocks whose grad norms metrics.log_layer_grad_norms logs: the embedding, each
+    transformer block, and the output head (the final norm and the output projection)."""
+    return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "output"]
+
+
+def params_by_block(model, names: list[str]) -> list[list[torch.nn.Parameter]]:
+    """This rank's parameters of each block in `names` (none for blocks on other pipeline
+    stages), by Meta's names; wrapper segments (_orig_mod, _checkpoint_wrapped_module) start
+    with an underscore and are skipped."""
+    groups = {name: [] for name in names}
+    for name, p in model.named_parameters():
+        parts = [s for s in name.split(".") if not s.startswith("_")]
+        block = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+        groups[block if block in groups else "output"].append(p)
+    return list(groups.values())
+
+
 class StepResult(NamedTuple):
     loss_sum: torch.Tensor  # this rank's summed loss (device)
     tokens: torch.Tensor  # the step's target tokens over all dp ranks (device)
     grad_norm: torch.Tensor
+    block_norms: torch.Tensor | None  # per block_names(), on log steps with log_layer_grad_norms
     lr: float  # the learning rate this step used
     stop: bool  # some rank was asked to stop: every rank saves and exits after this step
     data_seconds: float
@@ -207,6 +227,9 @@ class Trainer:
             val_loader, cfg.validation, val_schedule, self.model_context, pd, self.device
         )
         self.log_schedule = Every(cfg.metrics.log_freq, t.steps, first=True)
+        self.block_names = None
+        if cfg.metrics.log_layer_grad_norms:
+            self.block_names = block_names(self.model_args.n_layers)
         self.metrics = MetricsLogger(
             cfg.metrics, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict()
         )
@@ -247,7 +270,7 @@ class Trainer:
             maybe_enable_memory_snapshot(prof_cfg, folder, st.step, self.rank) as snapshotter,
         ):
             while st.step < last:
-                out = self.train_step()
+                out = self.train_step(log=self.log_schedule.due(st.step + 1))
                 st.step += 1
                 st.tokens_seen += self.global_batch_size * cfg.training.seq_len
                 st.elapsed_s += out.seconds
@@ -269,7 +292,10 @@ class Trainer:
                     break
         return 0
 
-    def train_step(self) -> StepResult:
+    def train_step(self, log: bool = False) -> StepResult:
+        """One optimizer step; `log`: the step will be logged, so its block grad norms are
+        measured if asked (a pass over the parameter names; the norm's reductions then carry
+        one value per block instead of one in all)."""
         t0 = time.perf_counter()
         microbatches = self.loader.next_step()
         t_data = time.perf_counter() - t0
@@ -282,10 +308,15 @@ class Trainer:
             self.model, microbatches, 1.0 / tokens, chunk_tokens=self.cfg.loss.chunk_tokens,
             sync_only_last=self.sync_only_last, context=self.model_context,
         )  # fmt: skip
+        block_norms = None
         if self.step_in_backward is None:
-            grad_norm = clip_grad_norm_(
-                self.model.parameters(), self.cfg.training.max_norm, self.parallel_dims.pp_mesh
-            )
+            params = list(self.model.parameters())
+            by_block = log and self.block_names is not None
+            groups = params_by_block(self.model, self.block_names) if by_block else [params]
+            # One computation for both: the global norm is the root of the blocks' squares.
+            squares = grad_square_sums(groups, self.parallel_dims.pp_mesh)
+            grad_norm = clip_by_total_(params, self.cfg.training.max_norm, squares.sum().sqrt())
+            block_norms = squares.sqrt().float() if by_block else None
         else:  # every parameter was stepped in backward; the hooks summed the norm
             grad_norm = self.step_in_backward.grad_norm()
         # The step's one host sync. A NaN/inf anywhere makes the global norm non-finite on every
@@ -302,7 +333,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        return StepResult(loss_sum, tokens, grad_norm, lr, stop, t_data, seconds)
+        return StepResult(loss_sum, tokens, grad_norm, block_norms, lr, stop, t_data, seconds)
 
     def on_nonfinite(self, loss_sum, tokens, grad_norm):
         step = self.state.step + 1  # the step being taken, numbered as in the logs
@@ -324,8 +355,9 @@ class Trainer:
         )
 
     def train_metrics(self, window: LogWindow) -> dict:
-        """The last step's loss and grad norm; throughput and data time averaged over the window;
-        peak memory since the previous log line."""
+        """The last step's loss and grad norm (and its blocks' grad norms when measured);
+        throughput and data time averaged over the window; peak memory since the previous log
+        line."""
         out = window.last
         tokens_per_device = self.global_batch_size * self.cfg.training.seq_len / self.world_size
         values = compute_throughput(
@@ -340,6 +372,9 @@ class Trainer:
             elapsed_s=self.state.elapsed_s,
             tokens_seen=self.state.tokens_seen,
         )
+        if out.block_norms is not None:  # one read for them all
+            norms = out.block_norms.tolist()
+            values.update({f"grad_norm/{n}": v for n, v in zip(self.block_names, norms)})
         self.memory.reset_peak_stats()
         return values
 

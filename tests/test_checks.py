@@ -41,6 +41,11 @@ def error(argv):
              "--validation.enable"],
             "needs validation.dataset_path",
         ),
+        (
+            ["--optimizer.early_step_in_backward", "--training.max_norm", "0",
+             "--metrics.log_layer_grad_norms"],
+            "--optimizer.early_step_in_backward frees each one as soon as it is stepped",
+        ),
     ],
 )  # fmt: skip
 def test_options_that_contradict_each_other(argv, expected):

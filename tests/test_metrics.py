@@ -181,6 +181,22 @@ def test_logger_writes_jsonl_exactly_and_tensorboard(tmp_path, caplog):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+def test_block_grad_norms_go_to_every_sink_but_the_console_shows_the_largest(tmp_path, caplog):
+    sink = metrics.MetricsLogger(_cfg(), str(tmp_path))
+    tags = {}
+    (tb,) = [s for s in sink.sinks if isinstance(s, metrics._TensorBoardSink)]
+    tb.writer.add_scalar = lambda tag, value, step: tags.update({tag: value})
+    blocks = {"grad_norm/tok_embeddings": 0.5, "grad_norm/layers.0": 2.25, "grad_norm/output": 1}
+    with caplog.at_level(logging.INFO, logger="titanlite.metrics"):
+        sink.log(1, {"loss": 1.0, "grad_norm": 2.5, **blocks})
+    sink.close()
+    (record,) = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {k: record[k] for k in blocks} == blocks
+    assert {k: tags[k] for k in blocks} == blocks  # TensorBoard: under grad_norm/
+    console = caplog.records[0].getMessage()
+    assert console.endswith("max_block layers.0 2.25") and "tok_embeddings" not in console
+
+
 def test_logger_off_the_log_rank_writes_nothing(tmp_path, caplog):
     sink = metrics.MetricsLogger(_cfg(), str(tmp_path / "out"), rank=1, log_rank=0)
     with caplog.at_level(logging.INFO):

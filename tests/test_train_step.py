@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, read_jsonl
 from torch.overrides import TorchFunctionMode
 
 import train
@@ -122,3 +122,49 @@ def test_main_sets_expandable_segments_before_cuda_starts_unless_the_user_did(us
     with pytest.raises(Started):
         train.main(["--model.vocab_limit", "512"])
     assert seen.get("PYTORCH_CUDA_ALLOC_CONF") == (user or "expandable_segments:True")
+
+
+def test_block_grad_norms_are_the_grads_norms_and_make_up_the_global_norm(tmp_path, monkeypatch):
+    """metrics.log_layer_grad_norms in one process: each block's norm is that of its parameters'
+    gradients, measured on log steps only (and without a host sync), and the logged grad_norm
+    is the root of the sum of their squares."""
+    argv = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
+    argv += ["--training.seq_len", "32", "--training.local_batch_size", "2"]
+    argv += ["--training.mixed_precision_param", "float32", "--metrics.peak_tflops", "1"]
+    argv += ["--training.steps", "4", "--metrics.log_freq", "3", "--training.max_norm", "0"]
+    argv += ["--metrics.log_layer_grad_norms", "--no-metrics.enable_tensorboard"]
+    t = train.Trainer(parse_args([*argv, "--job.dump_folder", str(tmp_path)]), init_distributed())
+    try:
+        names = t.block_names
+        assert names == ["tok_embeddings", *(f"layers.{i}" for i in range(6)), "output"]
+        monkeypatch.setattr(t.optimizer, "zero_grad", lambda set_to_none=True: None)
+        with HostSyncs() as syncs:
+            out = t.train_step(log=True)
+        counters = [s["step"] for s in t.optimizer.state.values()]  # on the host: free
+        device_reads = [r for r in syncs.reads if not any(r is c for c in counters)]
+        assert len(device_reads) == 1  # "finite?" and "stop?": the norms are read at log time
+        expected = dict.fromkeys(names, 0.0)
+        for name, p in t.model.named_parameters():
+            parts = name.split(".")  # plain names here: no wrapper, one process
+            block = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+            block = block if block in expected else "output"  # norm joins the output head
+            expected[block] += p.grad.double().square().sum().item()
+        expected = torch.tensor([expected[n] for n in names], dtype=torch.float64).sqrt()
+        torch.testing.assert_close(out.block_norms.double(), expected, rtol=1e-6, atol=0)
+        monkeypatch.undo()
+        t.optimizer.zero_grad()
+
+        calls = []
+        square_sums = train.grad_square_sums
+        monkeypatch.setattr(
+            train, "grad_square_sums", lambda g, pp: calls.append(len(g)) or square_sums(g, pp)
+        )
+        t.train()
+    finally:
+        t.close()
+    assert calls == [8, 1, 8, 8]  # logged: step 1, every 3rd, the last; step 2 sums one group
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 3, 4]
+    for r in records:
+        blocks = torch.tensor([r[f"grad_norm/{n}"] for n in names], dtype=torch.float64)
+        assert blocks.square().sum().sqrt().item() == pytest.approx(r["grad_norm"], rel=1e-6)

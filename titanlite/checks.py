@@ -76,7 +76,7 @@ def check_options(cfg: JobConfig) -> None:
             "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
             f"(checkpoint every Nth block), got {option!r}"
         )
-    _check_early_step(cfg.optimizer, t)
+    _check_early_step(cfg.optimizer, t, cfg.metrics)
     _check_wandb_installed(cfg.metrics)
     if cfg.parallelism.context_parallel_rotate_method == "alltoall":
         # torchtitan's ring exchange: the same bytes as one all-gather, sent in cp - 1 steps
@@ -88,11 +88,17 @@ def check_options(cfg: JobConfig) -> None:
         )
 
 
-def _check_early_step(optimizer: Optimizer, t: Training) -> None:
+def _check_early_step(optimizer: Optimizer, t: Training, metrics: Metrics) -> None:
     """A parameter stepped in backward is stepped before the other gradients exist: nothing
     that needs the whole step's gradients can come first (accumulation: check_early_step_batch)."""
     if not optimizer.early_step_in_backward:
         return
+    if metrics.log_layer_grad_norms:
+        raise ConfigError(
+            "--metrics.log_layer_grad_norms reads every block's gradients after backward, but "
+            "--optimizer.early_step_in_backward frees each one as soon as it is stepped: turn "
+            "one of them off"
+        )
     if t.max_norm > 0:
         raise ConfigError(
             "--optimizer.early_step_in_backward steps each parameter before the other gradients "

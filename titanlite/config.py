@@ -252,6 +252,9 @@ class Metrics:
         False, "Every rank writes its own metrics (tb/rank_N, metrics_rank_N.jsonl, W&B run)"
     )
     peak_tflops: float = opt(0.0, "Peak TFLOPS for MFU (0 = device table / CPU calibration)", ge=0)
+    log_layer_grad_norms: bool = opt(
+        False, "On log steps, also log each block's grad norm (layers.N, embedding, output head)"
+    )
 
 
 @dataclass

@@ -1,14 +1,13 @@
-"""Process-group setup, cross-mesh gradient clipping, small reduction helpers, and a tensor's
-way to this rank's device or its local shard.
+"""Process-group setup, cross-mesh gradient norms and clipping, small reduction helpers, and a
+tensor's way to this rank's device or its local shard.
 
 Works the same under torchrun (any world size) and plain `python` (a one-rank process group):
 every helper degrades to a no-op when there is nothing to reduce over.
 """
 
 import gc
-import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -156,55 +155,87 @@ def world_sum(tensor: torch.Tensor) -> torch.Tensor:
     return _all_reduce(tensor, dist.ReduceOp.SUM, dist.group.WORLD)
 
 
-def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """get_total_norm, accumulated in fp64 on CPU.
+def _reduce_group(norm: torch.Tensor) -> tuple:
+    """Where a gradient norm's square must be summed: the process groups of the mesh dims over
+    which its DTensor norm is partial (those that shard the gradient; the other dims hold
+    copies, which must not be counted twice). () for a plain tensor: a full copy on this rank."""
+    if not isinstance(norm, DTensor):
+        return ()
+    mesh = norm.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(norm.placements) if pl.is_partial())
 
-    CPU fp32 norm kernels drift by ~1e-4 relative on a 25M-element grad (debug model's output
-    layer), by a different amount for each shard layout; fp64 makes the norm layout-invariant.
-    GPU kernels reduce in a tree and stay in the grads' dtype. For DTensor grads each norm is a
-    partial DTensor, reduced over the mesh by the caller's full_tensor().
+
+@torch.no_grad()
+def grad_square_sums(
+    groups: Sequence[Iterable[torch.nn.Parameter]], pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """Each parameter group's sum of squared gradient elements over all its shards, as a vector
+    on every rank; the global grad norm is the square root of its total.
+
+    Under any layout: each gradient's local square is summed over the mesh dims that shard it
+    (a DTensor's norm says which: the dims where it is partial), grouped so that there is one
+    all-reduce per distinct set of dims, not per parameter; then over the pipeline stages of
+    `pp_mesh` (each rank holds only its stages' parameters: a group with none on this rank adds
+    0 here). Accumulated in fp64 on CPU: fp32 CPU norm kernels drift by ~1e-4 relative on a 25M
+    element grad (the debug model's output layer), by a different amount for each shard layout.
     """
-    acc = torch.float64 if grads[0].device.type == "cpu" else None
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in grads]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    by_groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
+    device = None
+    for i, params in enumerate(groups):
+        for p in params:
+            if p.grad is None:
+                continue
+            device = p.grad.device
+            acc = torch.float64 if device.type == "cpu" else torch.float32
+            norm = torch.linalg.vector_norm(p.grad, dtype=acc)
+            index, squares = by_groups.setdefault(_reduce_group(norm), ([], []))
+            index.append(i)
+            squares.append(local_value(norm).square())
+    sums = None
+    for reduce_over, (index, squares) in by_groups.items():
+        part = torch.zeros(len(groups), dtype=squares[0].dtype, device=device)
+        part.index_add_(0, to_device(torch.tensor(index), device), torch.stack(squares))
+        for group in reduce_over:
+            part = dist_sum(part, group)
+        sums = part if sums is None else sums + part
+    if sums is None:  # no gradients at all on this rank
+        sums = torch.zeros(len(groups), dtype=torch.float64)
+    return dist_sum(sums, pp_mesh) if pp_mesh is not None else sums
 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: Iterable[torch.nn.Parameter],
-    max_norm: float,
-    pp_mesh: DeviceMesh | None = None,
-    norm_type: float = 2.0,
+    params: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
 ) -> torch.Tensor:
-    """Clip gradients by their global norm over every mesh dim; return the norm as a plain tensor.
+    """Clip gradients by their global L2 norm over every mesh dim and pipeline stage; return the
+    norm as a plain fp32 tensor (grad_square_sums of one group)."""
+    params = list(params)
+    return clip_by_total_(params, max_norm, grad_square_sums([params], pp_mesh).sum().sqrt())
 
-    torch's clip_grad_norm_ stacks per-param norms and fails when params live on different meshes
-    (e.g. FSDP-only norms next to FSDP x TP weights), so the norm is taken per mesh group, made
-    global with full_tensor(), and combined here, then over the pipeline stages of `pp_mesh`
-    (each rank holds only its stages' parameters). max_norm <= 0 only measures. A non-finite norm
-    leaves the grads untouched, without reading it on the host here: the caller reads the norm
-    once per step and stops or skips the step.
+
+@torch.no_grad()
+def clip_by_total_(
+    params: Iterable[torch.nn.Parameter], max_norm: float, total: torch.Tensor
+) -> torch.Tensor:
+    """Clip gradients so that their global norm `total` (from grad_square_sums) is at most
+    max_norm; return `total` as fp32. max_norm <= 0 only measures.
+
+    torch's clip_grads_with_norm_ runs foreach kernels that fail when DTensors live on different
+    meshes (e.g. FSDP-only norms next to FSDP x TP weights), so it runs once per mesh. A
+    non-finite norm leaves the grads untouched, without reading it on the host here: the caller
+    reads the norm once per step and stops or skips the step.
     """
-    groups: dict[object, list[torch.nn.Parameter]] = {}
+    total = total.float()
+    if max_norm <= 0:
+        return total
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
         if p.grad is not None:
-            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = []
-    for ps in groups.values():
-        n = _total_norm([p.grad for p in ps], norm_type)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
-    if pp_mesh is not None:  # every pipeline rank joins, in fp64: a sum of squares
-        if math.isinf(norm_type):
-            total = _all_reduce(total, dist.ReduceOp.MAX, pp_mesh)
-        else:
-            total = dist_sum(total.double() ** norm_type, pp_mesh) ** (1.0 / norm_type)
-    total = total.float()
-    if max_norm > 0:
-        # A non-finite norm is replaced by 0, whose clip factor is clamped to 1: a select on the
-        # device instead of a branch on the host.
-        clip_by = torch.where(total.isfinite(), total, 0.0)
-        for ps in groups.values():
-            # Takes PARAMS (it reads p.grad); passing grads would silently clip nothing.
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, clip_by)
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    # A non-finite norm is replaced by 0, whose clip factor is clamped to 1: a select on the
+    # device instead of a branch on the host.
+    clip_by = torch.where(total.isfinite(), total, 0.0)
+    for ps in by_mesh.values():
+        # Takes PARAMS (it reads p.grad); passing grads would silently clip nothing.
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, clip_by)
     return total

@@ -335,6 +335,16 @@ _CONSOLE = (
 )
 
 
+def _largest_block(floats: dict) -> list[str]:
+    """The console's stand-in for the per-block grad norms (grad_norm/<block> keys, written in
+    full to TensorBoard and JSONL): the largest one, by name."""
+    blocks = {k: v for k, v in floats.items() if k.startswith("grad_norm/") and v is not None}
+    if not blocks:
+        return []
+    key = max(blocks, key=blocks.get)
+    return [f"max_block {key.removeprefix('grad_norm/')} {blocks[key]:.3g}"]
+
+
 def _to_float(value) -> float | None:
     # Tensors and numpy scalars become Python floats so json.dumps writes them exactly.
     if value is None:
@@ -479,6 +489,7 @@ class MetricsLogger:
         for key, label, fmt in _CONSOLE:
             if floats.get(key) is not None:
                 parts.append(f"{label} {fmt.format(floats[key])}")
+        parts += _largest_block(floats)
         logger.info("  ".join(parts))
         for sink in self.sinks:
             sink.write(step, floats)

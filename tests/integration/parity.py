@@ -6,8 +6,9 @@ from pathlib import Path
 from conftest import TINY_TRAIN, read_jsonl, train_many
 
 # The tiny run, fp32 so layouts are comparable to rounding. The global batch is fixed, so each
-# layout splits the same 8 rows differently (1 proc: 4 microbatches of 2).
-BASE = [*TINY_TRAIN, "--training.steps", "8"]
+# layout splits the same 8 rows differently (1 proc: 4 microbatches of 2). Every layout also
+# logs its per-block grad norms, checked against one process's at no extra launch.
+BASE = [*TINY_TRAIN, "--training.steps", "8", "--metrics.log_layer_grad_norms"]
 
 
 def curves(dump):
@@ -27,6 +28,23 @@ def assert_matches(name, got, ref, rtol=1e-4, steps=8):
     loss, norm = worst_deviation(got, ref, steps)
     print(f"\n{name}: worst relative deviation: loss {loss:.2e}, grad_norm {norm:.2e}")
     assert loss <= rtol and norm <= rtol, (name, got, ref)
+
+
+def block_norms(dump) -> list[dict]:
+    """[{"grad_norm/<block>": norm}] per logged step of a finished run."""
+    records = read_jsonl(dump / "metrics.jsonl")
+    return [{k: v for k, v in r.items() if k.startswith("grad_norm/")} for r in records]
+
+
+def assert_block_norms_match(name, got_dump, ref_dump, rtol=1e-4, first_rtol=1e-5):
+    """Every block's grad norm at every step within rtol of one process's, and at step 1 (the
+    same weights and data: only the summation order differs) within first_rtol. Every block is
+    listed on the logging rank, also those on other pipeline stages."""
+    got, ref = block_norms(got_dump), block_norms(ref_dump)
+    assert len(got) == len(ref) and all(g.keys() == r.keys() for g, r in zip(got, ref))
+    worst = [max(abs(g[k] / r[k] - 1) for k in r) for g, r in zip(got, ref)]
+    print(f"\n{name}: block grad norms, worst relative deviation {max(worst):.2e}")
+    assert worst[0] <= first_rtol and max(worst) <= rtol, (name, worst)
 
 
 def launch(out: Path, jobs: dict) -> dict:

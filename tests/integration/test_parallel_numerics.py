@@ -7,7 +7,7 @@ import re
 
 import pytest
 from conftest import run_train
-from integration.parity import BASE, assert_matches, curves, launch
+from integration.parity import BASE, assert_block_norms_match, assert_matches, curves, launch
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -95,6 +95,14 @@ def reference(runs):
 def test_layout_matches_one_process(layout, runs, reference):
     rtol = LAYOUTS[layout][2]
     assert_matches(f"{layout} vs 1 process", curves(runs[layout]), reference, rtol=rtol)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_block_grad_norms_match_one_process(layout, runs):
+    """metrics.log_layer_grad_norms: sharded, TP-replicated and CP-reduced gradients each
+    counted once."""
+    rtol = LAYOUTS[layout][2]
+    assert_block_norms_match(layout, runs[layout], runs["reference"], rtol=rtol)
 
 
 def test_document_masking_fsdp_x_tp_matches_one_process(runs):

@@ -3,7 +3,7 @@ every schedule, and PP with FSDP, HSDP and TP, give the same per-step losses and
 process (held to 1e-5; the other layouts are test_parallel_numerics.py's)."""
 
 import pytest
-from integration.parity import BASE, assert_matches, curves, launch
+from integration.parity import BASE, assert_block_norms_match, assert_matches, curves, launch
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -44,3 +44,10 @@ def test_layout_matches_one_process(layout, runs):
     rtol = LAYOUTS[layout][2]
     got, ref = curves(runs[layout]), curves(runs["reference"])
     assert_matches(f"{layout} vs 1 process", got, ref, rtol=rtol)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_block_grad_norms_match_one_process(layout, runs):
+    """metrics.log_layer_grad_norms: each stage measures its own blocks, and the logging rank
+    (first stage) lists every block."""
+    assert_block_norms_match(layout, runs[layout], runs["reference"], rtol=LAYOUTS[layout][2])
