@@ -23,7 +23,7 @@ report = load_script("gpu_check_report")
 
 def write_metrics(folder, losses, **extra):
     """A run's metrics.jsonl as train.py writes it: one MetricsLogger record per step."""
-    logger = MetricsLogger(Metrics(enable_tensorboard=False), str(folder), enabled=True)
+    logger = MetricsLogger(Metrics(enable_tensorboard=False), str(folder))
     for step, loss in enumerate(losses, 1):
         logger.log(step, {"loss": loss, "wps": 1000.0 * step, "mfu": 10.0 * step,
                           "memory_gib": 2.0 + step, "alloc_retries": 0, **extra})  # fmt: skip
