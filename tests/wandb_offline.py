@@ -9,6 +9,7 @@ a 7-byte header - CRC, length, type - and a piece of one protobuf Record).
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +41,28 @@ class OfflineRun:
     group: str
 
 
-def read_offline_run(run_dir: Path) -> OfflineRun:
+def read_offline_run(run_dir: Path, timeout_s: float = 60) -> OfflineRun:
+    """The run's records, once its exit record is on disk: run.finish() returns before wandb's
+    service has written them (the file can still hold only its header then)."""
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data = next(run_dir.glob("*.wandb")).read_bytes()
+        try:
+            kinds = [record.WhichOneof("record_type") for record in _records(data)]
+        except DecodeError:  # read while a record was half written
+            kinds = []
+        if "exit" in kinds:
+            return _parse(data)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{run_dir}: no exit record after {timeout_s} s; records {kinds}")
+        time.sleep(0.05)
+
+
+def _parse(data: bytes) -> OfflineRun:
     run = OfflineRun(history={}, config={}, exit_code=None, name="", group="")
-    for record in _records(next(run_dir.glob("*.wandb")).read_bytes()):
+    for record in _records(data):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run.name, run.group = record.run.display_name, record.run.run_group
