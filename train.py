@@ -215,6 +215,13 @@ class Trainer:
         self.step_in_backward = None
         if cfg.optimizer.early_step_in_backward:
             self.step_in_backward = StepInBackward(self.optimizer, self.device)
+            if t.max_norm > 0:  # torchtitan runs this combination too, unclipped
+                logger.warning(
+                    "training.max_norm %g is not applied: optimizer.early_step_in_backward steps "
+                    "each parameter before the global norm is known, so nothing is clipped (the "
+                    "norm is still measured and logged); set --training.max_norm 0 to silence this",
+                    t.max_norm,
+                )
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.state = TrainState()
         self.checkpointer = CheckpointManager(

@@ -99,12 +99,6 @@ def _check_early_step(optimizer: Optimizer, t: Training, metrics: Metrics) -> No
             "--optimizer.early_step_in_backward frees each one as soon as it is stepped: turn "
             "one of them off"
         )
-    if t.max_norm > 0:
-        raise ConfigError(
-            "--optimizer.early_step_in_backward steps each parameter before the other gradients "
-            "exist, so the global norm that clipping needs is not known yet: set "
-            "--training.max_norm 0"
-        )
     if t.on_nonfinite == "skip":
         raise ConfigError(
             "--optimizer.early_step_in_backward has stepped every parameter by the time a "

@@ -70,7 +70,6 @@ def test_cpu_offload_without_data_parallelism_shards_over_one_rank(tmp_path):
 
 NO_CLIP = ["--training.max_norm", "0"]
 REFUSED = {  # extra options -> the fix the one line gives
-    "clipping": ([], "set --training.max_norm 0"),
     "skip-nonfinite": ([*NO_CLIP, "--training.on_nonfinite", "skip"], "on_nonfinite stop"),
     # TINY_TRAIN on one process: 4 microbatches of 2 rows.
     "accumulation": (NO_CLIP, "4 microbatches per rank (gradient accumulation): set "
@@ -90,6 +89,30 @@ def test_early_step_refusals_are_one_line_before_the_model(args, problem, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("titanlite: error: --optimizer.early_step_in_back")
     assert problem in err[0]
+
+
+def test_early_step_with_clipping_set_trains_unclipped_and_says_so(tmp_path, capsys):
+    """As in torchtitan, a max_norm set with the early step trains, unclipped: the losses are
+    those of max_norm 0, though a max_norm this small would change every step it clipped."""
+    argv = [*TINY_TRAIN, "--training.local_batch_size", "8", "--training.steps", "3"]
+    argv += ["--optimizer.early_step_in_backward"]
+    losses = {}
+    for max_norm in ("1e-4", "0"):
+        out = tmp_path / max_norm
+        argv_run = [*argv, "--training.max_norm", max_norm, "--job.dump_folder", str(out)]
+        assert train.main(argv_run) == 0
+        rows = read_jsonl(out / "metrics.jsonl")
+        losses[max_norm] = [r["loss"] for r in rows]
+        assert max(r["grad_norm"] for r in rows) > 1e-2  # clipping to 1e-4 would have bitten
+    assert losses["1e-4"] == losses["0"] and len(losses["0"]) == 3
+    out = capsys.readouterr()
+    warned = [line for line in (out.out + out.err).splitlines() if "is not applied" in line]
+    assert len(warned) == 1  # once, for the run that set it
+    assert warned[0].endswith(
+        "WARNING training.max_norm 0.0001 is not applied: optimizer.early_step_in_backward steps "
+        "each parameter before the global norm is known, so nothing is clipped (the norm is still "
+        "measured and logged); set --training.max_norm 0 to silence this"
+    )
 
 
 def test_early_step_nonfinite_stops_before_the_bad_weights_are_saved(tmp_path, capsys):
