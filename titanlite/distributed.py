@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.host import cpus_per_local_rank
 
@@ -155,14 +155,24 @@ def world_sum(tensor: torch.Tensor) -> torch.Tensor:
     return _all_reduce(tensor, dist.ReduceOp.SUM, dist.group.WORLD)
 
 
-def _reduce_group(norm: torch.Tensor) -> tuple:
-    """Where a gradient norm's square must be summed: the process groups of the mesh dims over
-    which its DTensor norm is partial (those that shard the gradient; the other dims hold
-    copies, which must not be counted twice). () for a plain tensor: a full copy on this rank."""
-    if not isinstance(norm, DTensor):
+def _reduce_group(grad: torch.Tensor) -> tuple:
+    """Where a gradient's local sum of squares must be summed: the process groups of the mesh
+    dims that do not replicate it (each rank there holds other elements); the replicated dims
+    hold copies, which must not be counted twice. () for a plain tensor: a full copy here."""
+    if not isinstance(grad, DTensor):
         return ()
-    mesh = norm.device_mesh
-    return tuple(mesh.get_group(i) for i, pl in enumerate(norm.placements) if pl.is_partial())
+    mesh = grad.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
+
+
+def _summed(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient with pending sums (partial on a mesh dim: the norm weights' under sequence
+    parallelism) with them done: a norm is not the sum of its parts' norms."""
+    if not isinstance(grad, DTensor) or not any(pl.is_partial() for pl in grad.placements):
+        return grad
+    return grad.redistribute(
+        placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements]
+    )
 
 
 @torch.no_grad()
@@ -172,29 +182,27 @@ def grad_square_sums(
     """Each parameter group's sum of squared gradient elements over all its shards, as a vector
     on every rank; the global grad norm is the square root of its total.
 
-    Under any layout: each gradient's local square is summed over the mesh dims that shard it
-    (a DTensor's norm says which: the dims where it is partial), grouped so that there is one
-    all-reduce per distinct set of dims, not per parameter; then over the pipeline stages of
-    `pp_mesh` (each rank holds only its stages' parameters: a group with none on this rank adds
-    0 here). Accumulated in fp64 on CPU: fp32 CPU norm kernels drift by ~1e-4 relative on a 25M
-    element grad (the debug model's output layer), by a different amount for each shard layout.
+    Under any layout: the local shards' norms are taken in one foreach call per set of mesh dims
+    that shard them (per-parameter DTensor norms cost ~70 us of host time each, 10 ms a step at
+    1B, which an eager GPU step waits for), summed over those dims with one all-reduce per set,
+    then over the pipeline stages of `pp_mesh` (each rank holds only its stages' parameters: a
+    group with none on this rank adds 0 here). Accumulated in fp64 on CPU: fp32 CPU norm kernels
+    drift by ~1e-4 relative on a 25M element grad (the debug model's output layer), by a
+    different amount for each shard layout.
     """
-    by_groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
-    device = None
+    buckets: dict[tuple, dict[int, list[torch.Tensor]]] = {}
     for i, params in enumerate(groups):
         for p in params:
-            if p.grad is None:
-                continue
-            device = p.grad.device
-            acc = torch.float64 if device.type == "cpu" else torch.float32
-            norm = torch.linalg.vector_norm(p.grad, dtype=acc)
-            index, squares = by_groups.setdefault(_reduce_group(norm), ([], []))
-            index.append(i)
-            squares.append(local_value(norm).square())
+            if p.grad is not None:
+                grad = _summed(p.grad)
+                key = (_reduce_group(grad), grad.device)
+                buckets.setdefault(key, {}).setdefault(i, []).append(local_value(grad))
     sums = None
-    for reduce_over, (index, squares) in by_groups.items():
-        part = torch.zeros(len(groups), dtype=squares[0].dtype, device=device)
-        part.index_add_(0, to_device(torch.tensor(index), device), torch.stack(squares))
+    for (reduce_over, device), by_group in buckets.items():
+        acc = torch.float64 if device.type == "cpu" else torch.float32
+        part = torch.zeros(len(groups), dtype=acc, device=device)
+        for i, grads in by_group.items():
+            part[i] = torch.stack(torch._foreach_norm(grads, 2, dtype=acc)).square().sum()
         for group in reduce_over:
             part = dist_sum(part, group)
         sums = part if sums is None else sums + part
