@@ -11,6 +11,11 @@ settings on the same microbatches. The two alternate in blocks of --steps steps 
 rounds after --warmup steps each, so machine load hits both alike; the result is the ratio of
 median step times (trainer / bare; target <= 1.05) and tokens/s of each.
 
+Then the kernel floor (scripts/kernel_floor.py): one more titanlite step records its matmul and
+attention calls, each is replayed alone on random tensors of the same layout, and their sum is
+the fastest any step could be with these kernels. The last line, `step/floor X.XX`, is the
+titanlite median step over that floor (--no-floor skips it).
+
 The trainer's step is `loader.next_step()` + `Trainer.train_step` (token count, forward with the
 loss inside the model, backward, global-norm clip, finite check, optimizer and LR schedule step,
 zero_grad): everything train.py's loop does per step except logging every log_freq steps.
@@ -26,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from kernel_floor import record_kernels, sync, time_kernels  # noqa: E402  (this folder)
 
 from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.distributed import destroy  # noqa: E402
@@ -70,14 +76,17 @@ def build_bare(trainer, opts):
     from titanlite.optim import build_optimizer
 
     torch.manual_seed(0)
-    model = Transformer(trainer.model_args)
+    device = trainer.device
+    with torch.device(device):
+        model = Transformer(trainer.model_args)
     model.init_weights()
     optimizer = build_optimizer(model, trainer.cfg.optimizer)
     dtype = {"float32": None, "bfloat16": torch.bfloat16}[opts.dtype]
 
     def step(microbatches):
         for tokens, labels in microbatches:
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            tokens, labels = tokens.to(device), labels.to(device)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 logits = model(tokens)  # [b, s, vocab]
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             loss.backward()
@@ -87,13 +96,24 @@ def build_bare(trainer, opts):
     return step
 
 
-def time_steps(fn, n: int) -> list[float]:
+def time_steps(fn, n: int, device: torch.device) -> list[float]:
     times = []
     for _ in range(n):
+        sync(device)
         t0 = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def report_floor(trainer, step_seconds: float) -> None:
+    floor, rows = time_kernels(record_kernels(trainer.train_step), trainer.device)
+    print("kernel floor (each call alone, median of 5, summed over one step):")
+    for name, calls, secs in rows:
+        print(f"  {name:<52} {calls:4d} calls {secs * 1e3:9.2f} ms")
+    print(f"floor {floor * 1e3:.1f} ms, titanlite step {step_seconds * 1e3:.1f} ms")
+    print(f"step/floor {step_seconds / floor:.2f}")
 
 
 def main(argv=None) -> int:
@@ -107,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="steps per block")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (>= 3)")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the step's kernels alone (step/floor)")  # fmt: skip
     p.add_argument("--dump_folder", default="./outputs/bench_overhead")
     p.add_argument("overrides", nargs="*", help="extra train.py options (after --)")
     opts = p.parse_args(argv)
@@ -125,11 +147,11 @@ def main(argv=None) -> int:
     print(f"model {trainer.model_args}\n{tokens} tokens/step, {opts.dtype}, threads "
           f"{torch.get_num_threads()}")  # fmt: skip
     for fn in runners.values():
-        time_steps(fn, opts.warmup)
+        time_steps(fn, opts.warmup, trainer.device)
     medians = {name: [] for name in runners}
     for r in range(opts.rounds):
         for name, fn in runners.items():
-            times = time_steps(fn, opts.steps)
+            times = time_steps(fn, opts.steps, trainer.device)
             medians[name].append(statistics.median(times))
             print(f"round {r + 1} {name:>9}: median step {medians[name][-1] * 1e3:8.1f} ms "
                   f"({tokens / medians[name][-1]:,.0f} tokens/s)", flush=True)  # fmt: skip
@@ -144,6 +166,8 @@ def main(argv=None) -> int:
         + ", ".join(f"{x:.3f}" for x in ratios)
         + f"); ratio of medians {ours / bare:.3f}"
     )
+    if opts.floor:
+        report_floor(trainer, ours)
     trainer.close()
     destroy()  # the one-rank process group: left to interpreter exit it can abort
     return 0

@@ -1,0 +1,47 @@
+"""scripts/kernel_floor.py: it records exactly the step's matmuls and attention calls, forward
+and backward, and replays them."""
+
+import sys
+
+import torch
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+from kernel_floor import record_kernels, time_kernels  # noqa: E402
+
+from titanlite.models.llama.args import ModelArgs  # noqa: E402
+from titanlite.models.llama.model import Transformer  # noqa: E402
+
+
+def _step(model, tokens):
+    def step():
+        model(tokens).float().sum().backward()
+
+    return step
+
+
+def test_a_step_records_three_matmuls_per_linear_and_one_attention_each_way_per_layer():
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    calls = record_kernels(_step(model, torch.randint(0, 128, (2, 32))))
+    by_op = {}
+    for (func, _, _), count in calls.items():
+        name = func.overloadpacket.__name__
+        by_op[name] = by_op.get(name, 0) + count
+    # 7 linears per block and the output layer: forward, input grad and weight grad each (the
+    # first block's input grad too: the embedding's output needs one).
+    assert by_op.pop("mm") == (7 * args.n_layers + 1) * 3
+    assert sorted(by_op.items()) == [
+        ("_scaled_dot_product_flash_attention_for_cpu", args.n_layers),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", args.n_layers),
+    ]
+    floor, rows = time_kernels(calls, torch.device("cpu"), iters=1)
+    assert floor > 0 and floor == sum(secs for _, _, secs in rows)
+    assert {name for name, _, _ in rows} == {
+        "mm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
+    assert sum(n for name, n, _ in rows if name == "mm") == (7 * args.n_layers + 1) * 3
