@@ -15,7 +15,8 @@ softmax(logits / temperature) over the --top_k most likely tokens (0 = all), by 
 with --seed: the same seed gives the same tokens, and every TP rank draws the same ones from the
 same replicated logits. The padding rows of the vocabulary (the tokenizer's size rounded up to 128)
 are never chosen. Exactly --max_new_tokens are generated (no stop at end-of-text), and prompt + new
-tokens must fit in max_seq_len.
+tokens may run past the run's training.seq_len (RoPE's table is built for the length asked; a
+warning says those positions were never trained on).
 
 Cost: there is no KV cache. Each new token re-runs the forward over the whole sequence so far, so
 n tokens cost O(n^2) token-forwards (attention O(n^3)): fine for checking a trained model, slow for
@@ -25,10 +26,11 @@ long outputs. Only the last position goes through the output projection, so no s
 --out prints a JSON report on stdout (rank 0): torchtitan's {"metadata": ..., "responses": [...]}
 with the prompt, token ids and decoding settings added. Logs go to stderr. User mistakes (missing
 config, missing or partial checkpoint, bad option values, a TP degree that does not divide the world
-or the heads, a prompt too long) stop with one line and exit status 2 before any weight is read.
+or the heads) stop with one line and exit status 2 before any weight is read.
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -115,12 +117,14 @@ def prepare(opts: argparse.Namespace, world_size: int) -> Job:
     prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
     total = len(prompt_ids) + opts.max_new_tokens
     if total > args.max_seq_len:
-        raise ValueError(
+        # Nothing in the weights depends on the length: only the RoPE table does, and it is
+        # built for the positions asked.
+        logger.warning(
             f"the prompt ({len(prompt_ids)} tokens with BOS) + --max_new_tokens "
-            f"({opts.max_new_tokens}) = {total} tokens, more than the model's max_seq_len "
-            f"{args.max_seq_len} (the run's training.seq_len); shorten the prompt or lower "
-            "--max_new_tokens"
+            f"({opts.max_new_tokens}) = {total} tokens, beyond the run's training.seq_len "
+            f"{args.max_seq_len}: positions past it were never trained on"
         )
+        args = dataclasses.replace(args, max_seq_len=total)
     return Job(tokenizer, get_family(cfg.model.name), args, parallel_dims, prompt_ids)
 
 
