@@ -33,12 +33,14 @@ from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import dump_toml, parse_args
 from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.distributed import (
+    block_names,
     clip_by_total_,
     destroy,
     dist_sum,
     grad_square_sums,
     init_distributed,
     local_value,
+    params_by_block,
     to_device,
     world_sum,
 )
@@ -59,6 +61,7 @@ from titanlite.parallel_dims import loss_parallel_ctx
 from titanlite.precision import apply_tf32, resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titanlite.straggler import SlowRankFinder, local_numel, synchronize
 from titanlite.train_state import TrainState
 from titanlite.validate import Validator
 
@@ -109,24 +112,6 @@ def count_step_tokens(microbatches, counts: bool, stop_vote: bool, device):
     return votes[0], votes[1]
 
 
-def block_names(n_layers: int) -> list[str]:
-    """The blocks whose grad norms metrics.log_layer_grad_norms logs: the embedding, each
-    transformer block, and the output head (the final norm and the output projection)."""
-    return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "output"]
-
-
-def params_by_block(model, names: list[str]) -> list[list[torch.nn.Parameter]]:
-    """This rank's parameters of each block in `names` (none for blocks on other pipeline
-    stages), by Meta's names; wrapper segments (_orig_mod, _checkpoint_wrapped_module) start
-    with an underscore and are skipped."""
-    groups = {name: [] for name in names}
-    for name, p in model.named_parameters():
-        parts = [s for s in name.split(".") if not s.startswith("_")]
-        block = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
-        groups[block if block in groups else "output"].append(p)
-    return list(groups.values())
-
-
 class StepResult(NamedTuple):
     loss_sum: torch.Tensor  # this rank's summed loss (device)
     tokens: torch.Tensor  # the step's target tokens over all dp ranks (device)
@@ -136,6 +121,7 @@ class StepResult(NamedTuple):
     stop: bool  # some rank was asked to stop: every rank saves and exits after this step
     data_seconds: float
     seconds: float
+    optimizer_seconds: float | None  # on log steps (device-synced), when the optimizer ran here
 
 
 class Every:
@@ -241,6 +227,11 @@ class Trainer:
             cfg.metrics, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict()
         )
         self.memory = DeviceMemoryMonitor(self.device)
+        m = cfg.metrics
+        self.slow_ranks = SlowRankFinder(
+            self.world_size, self.device, m.slow_rank_threshold_pct, m.slow_rank_patience,
+            local_numel(self.model), warns=self.rank == self.log_rank,
+        )  # fmt: skip
         self.peak_flops = get_peak_flops(
             self.device, self.compute_dtype, cfg.metrics.peak_tflops, float8_enabled(cfg)
         )
@@ -331,16 +322,22 @@ class Trainer:
         # stepped in backward, never trained on or saved). CPU offload: the norm is on the CPU.
         finite = grad_norm.isfinite().to(device, non_blocking=True)
         finite, stop = torch.stack([finite, stop_votes > 0]).tolist()
+        t_optimizer, optimizer_seconds = time.perf_counter(), None
         if finite:
             self.optimizer.step()  # after a step in backward no gradient is left: a no-op
             self.after_optimizer_step(self.model)
+            if log and self.step_in_backward is None:  # timed for SlowRankFinder
+                synchronize(device)
+                optimizer_seconds = time.perf_counter() - t_optimizer
         else:
             self.on_nonfinite(loss_sum, tokens, grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        return StepResult(loss_sum, tokens, grad_norm, block_norms, lr, stop, t_data, seconds)
+        return StepResult(
+            loss_sum, tokens, grad_norm, block_norms, lr, stop, t_data, seconds, optimizer_seconds
+        )
 
     def on_nonfinite(self, loss_sum, tokens, grad_norm):
         step = self.state.step + 1  # the step being taken, numbered as in the logs
@@ -379,6 +376,8 @@ class Trainer:
             elapsed_s=self.state.elapsed_s,
             tokens_seen=self.state.tokens_seen,
         )
+        step_s, data_s = window.seconds / window.steps, window.data_seconds / window.steps
+        values.update(self.slow_ranks.report(step_s, data_s, out.optimizer_seconds))
         if out.block_norms is not None:  # one read for them all
             norms = out.block_norms.tolist()
             values.update({f"grad_norm/{n}": v for n, v in zip(self.block_names, norms)})

@@ -9,7 +9,7 @@ import pytest
 import torch
 from wandb_offline import read_offline_run
 
-from titanlite import metrics
+from titanlite import metrics, metrics_sinks
 from titanlite.config import JobConfig
 
 
@@ -184,7 +184,7 @@ def test_logger_writes_jsonl_exactly_and_tensorboard(tmp_path, caplog):
 def test_block_grad_norms_go_to_every_sink_but_the_console_shows_the_largest(tmp_path, caplog):
     sink = metrics.MetricsLogger(_cfg(), str(tmp_path))
     tags = {}
-    (tb,) = [s for s in sink.sinks if isinstance(s, metrics._TensorBoardSink)]
+    (tb,) = [s for s in sink.sinks if isinstance(s, metrics_sinks.TensorBoardSink)]
     tb.writer.add_scalar = lambda tag, value, step: tags.update({tag: value})
     blocks = {"grad_norm/tok_embeddings": 0.5, "grad_norm/layers.0": 2.25, "grad_norm/output": 1}
     with caplog.at_level(logging.INFO, logger="titanlite.metrics"):
@@ -220,24 +220,6 @@ def test_save_for_all_ranks_gives_each_rank_its_own_files(tmp_path):
     assert not list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_wandb_run_args_from_the_environment(tmp_path):
-    none = dict(project="titanlite", entity=None, name=None, id=None, group=None)
-    assert metrics.wandb_run_args({}, None, tmp_path) == none
-    env = {"WANDB_PROJECT": "p", "WANDB_TEAM": "t", "WANDB_RUN_NAME": "n", "WANDB_RUN_ID": "x"}
-    assert metrics.wandb_run_args(env, None, tmp_path) == dict(
-        project="p", entity="t", name="n", id="x", group=None
-    )
-    # save_for_all_ranks: a run per rank, in a group every rank names alike, with an id a
-    # resume finds again.
-    assert metrics.wandb_run_args(env, 3, tmp_path) == dict(
-        project="p", entity="t", name="n-rank_3", id="x-rank_3", group="n"
-    )
-    args = metrics.wandb_run_args({"WANDB_ENTITY": "e"}, 3, tmp_path / "my_run")
-    assert args["entity"] == "e" and args["name"] == "rank_3" and args["group"] == "my_run"
-    assert args["id"].endswith("-rank_3")
-    assert metrics.wandb_run_args({"WANDB_RUN_GROUP": "g", **env}, 0, tmp_path)["group"] == "g"
-
-
 # Three logged steps as train.py makes them: a tensor loss, Nones, integer counts, validation.
 _STEPS = {
     1: {"loss": torch.tensor(7.123456789012345, dtype=torch.float64), "grad_norm": 1 / 3,
@@ -263,7 +245,7 @@ def test_wandb_logs_what_jsonl_logs(tmp_path, wandb_offline, all_ranks):
     run = read_offline_run(run_dir)
     jsonl_name = "metrics_rank_1.jsonl" if all_ranks else "metrics.jsonl"
     jsonl = [json.loads(s) for s in (dump / jsonl_name).open()]
-    assert run.history == {r.pop("step"): metrics._tagged(r) for r in jsonl}
+    assert run.history == {r.pop("step"): metrics_sinks.tagged(r) for r in jsonl}
     assert run.history[1]["loss/global"] == 7.123456789012345 and "mfu_pct" not in run.history[1]
     assert run.history[4] == {"loss/global": 5.25, "loss/validation": 5.5,
                               "ppl/validation": math.exp(5.5)}  # fmt: skip

@@ -255,6 +255,13 @@ class Metrics:
     log_layer_grad_norms: bool = opt(
         False, "On log steps, also log each block's grad norm (layers.N, embedding, output head)"
     )
+    slow_rank_threshold_pct: float = opt(
+        10.0,
+        "Warn when one rank's own work (data, optimizer speed) lags the median rank's by more "
+        "than this % of a step on slow_rank_patience log steps in a row (0 = never)",
+        ge=0,
+    )
+    slow_rank_patience: int = opt(3, "Log steps in a row a rank must lag before the warning", ge=1)
 
 
 @dataclass

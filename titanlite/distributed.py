@@ -211,6 +211,24 @@ def grad_square_sums(
     return dist_sum(sums, pp_mesh) if pp_mesh is not None else sums
 
 
+def block_names(n_layers: int) -> list[str]:
+    """The blocks whose grad norms metrics.log_layer_grad_norms logs: the embedding, each
+    transformer block, and the output head (the final norm and the output projection)."""
+    return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "output"]
+
+
+def params_by_block(model, names: list[str]) -> list[list[torch.nn.Parameter]]:
+    """This rank's parameters of each block in `names` (none for blocks on other pipeline
+    stages), by Meta's names; wrapper segments (_orig_mod, _checkpoint_wrapped_module) start
+    with an underscore and are skipped."""
+    groups = {name: [] for name in names}
+    for name, p in model.named_parameters():
+        parts = [s for s in name.split(".") if not s.startswith("_")]
+        block = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+        groups[block if block in groups else "output"].append(p)
+    return list(groups.values())
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None

@@ -4,7 +4,6 @@ Units used throughout: `wps` is tokens per second per device, `tflops` is achiev
 device, `mfu` is a percentage (0-100), memory is GiB (2**30 bytes).
 """
 
-import json
 import logging
 import math
 import os
@@ -12,13 +11,12 @@ import re
 import resource
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
+from titanlite.metrics_sinks import Sink, build_sinks
 from titanlite.precision import has_fast_bf16
 
 logger = logging.getLogger(__name__)
@@ -298,27 +296,6 @@ def init_logger(rank: int, log_rank: int | None = None, stream=None) -> None:
     root.setLevel(logging.INFO if rank == log_rank else logging.WARNING)
 
 
-# Keys every JSONL record has (null when not given), with their TensorBoard names.
-_TB_TAGS = {
-    "loss": "loss/global",
-    "grad_norm": "grad_norm",
-    "lr": "lr",
-    "wps": "throughput/wps",
-    "tflops": "throughput/tflops",
-    "mfu": "mfu_pct",
-    "memory_gib": "memory/max_reserved_gib",
-    "alloc_retries": "memory/alloc_retries",
-    "ooms": "memory/ooms",
-    "data_time_pct": "time/data_pct",
-    "elapsed_s": "time/elapsed_s",
-    "tokens_seen": "tokens_seen",  # global batch x seq_len per step so far (the train state's)
-}
-_OPTIONAL_TB_TAGS = {
-    "memory_active_gib": "memory/max_active_gib",  # CUDA only
-    "val_loss": "loss/validation",
-    "val_ppl": "ppl/validation",
-}
-
 # Console fields in order: (key, label, format).
 _CONSOLE = (
     ("loss", "loss", "{:7.4f}"),
@@ -345,6 +322,15 @@ def _largest_block(floats: dict) -> list[str]:
     return [f"max_block {key.removeprefix('grad_norm/')} {blocks[key]:.3g}"]
 
 
+def _slow_rank(floats: dict) -> list[str]:
+    """'slow rank 3 +12.0% (data 10.5%)': the rank whose own work lags the median's most, by what
+    share of a step, and how much of that is data loading (the rest is compute)."""
+    if floats.get("slow_rank") is None:
+        return []
+    lag, data = floats["slow_rank_lag_pct"], floats["slow_rank_data_lag_pct"]
+    return [f"slow rank {floats['slow_rank']:.0f} +{lag:.1f}% (data {data:.1f}%)"]
+
+
 def _to_float(value) -> float | None:
     # Tensors and numpy scalars become Python floats so json.dumps writes them exactly.
     if value is None:
@@ -352,110 +338,6 @@ def _to_float(value) -> float | None:
     if hasattr(value, "item"):
         value = value.item()
     return float(value)
-
-
-def _tagged(floats: dict) -> dict[str, float]:
-    """What TensorBoard and W&B get: each value under its TensorBoard tag, None left out."""
-    return {
-        _TB_TAGS.get(key) or _OPTIONAL_TB_TAGS.get(key) or key: value
-        for key, value in floats.items()
-        if value is not None
-    }
-
-
-class _Sink(Protocol):
-    """Where a logged step goes besides the console: `floats` holds Python floats or None."""
-
-    def write(self, step: int, floats: dict[str, float | None]) -> None: ...
-
-    def close(self, exit_code: int) -> None: ...
-
-
-class _TensorBoardSink:
-    def __init__(self, folder: Path):
-        # Imported here: tensorboard is slow to import and ranks that do not log skip it.
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(folder))
-
-    def write(self, step: int, floats: dict) -> None:
-        for tag, value in _tagged(floats).items():
-            self.writer.add_scalar(tag, value, step)
-
-    def close(self, exit_code: int) -> None:
-        self.writer.close()
-
-
-class _JsonlSink:
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Line-buffered so a crash loses at most the line being written.
-        self.file = open(path, "a", buffering=1)  # noqa: SIM115
-
-    def write(self, step: int, floats: dict) -> None:
-        # Every standard key in every record (null when not given), so readers need no .get().
-        record = {"step": step, **dict.fromkeys(_TB_TAGS), **floats}
-        self.file.write(json.dumps(record) + "\n")
-
-    def close(self, exit_code: int) -> None:
-        self.file.close()
-
-
-class _WandbSink:
-    """One W&B run, its files under {dump_folder}/wandb/, the resolved config attached."""
-
-    def __init__(self, dump_folder: Path, rank: int | None, run_config: dict | None):
-        import wandb  # optional: checks.py made sure it is installed when enabled
-
-        dump_folder.mkdir(parents=True, exist_ok=True)
-        args = wandb_run_args(os.environ, rank, dump_folder)
-        self.run = wandb.init(dir=str(dump_folder), config=run_config, **args)
-
-    def write(self, step: int, floats: dict) -> None:
-        self.run.log(_tagged(floats), step=step)
-
-    def close(self, exit_code: int) -> None:
-        self.run.finish(exit_code=exit_code)  # nonzero marks the run failed
-
-
-def wandb_run_args(environ, rank: int | None, dump_folder: Path) -> dict[str, str | None]:
-    """wandb.init's project, entity, name, id and group from the environment, under torchtitan's
-    names (WANDB_PROJECT, default "titanlite"; WANDB_TEAM, WANDB_RUN_NAME) or wandb's own
-    (WANDB_ENTITY, WANDB_NAME, WANDB_RUN_ID, WANDB_RUN_GROUP). wandb reads the rest itself:
-    WANDB_RESUME, WANDB_TAGS, WANDB_NOTES, WANDB_MODE.
-
-    With a rank (save_for_all_ranks) every rank is a run of its own in one group (WANDB_RUN_GROUP,
-    else the run name, else the dump folder's name: every rank derives the same one), its name
-    and id ending in rank_N so each rank's folder is told apart and a resume (WANDB_RUN_ID and
-    WANDB_RESUME) finds each rank's own run."""
-    name = environ.get("WANDB_RUN_NAME") or environ.get("WANDB_NAME")
-    run_id = environ.get("WANDB_RUN_ID")
-    group = environ.get("WANDB_RUN_GROUP")
-    if rank is not None:
-        group = group or name or Path(dump_folder).resolve().name
-        name = f"{name}-rank_{rank}" if name else f"rank_{rank}"
-        run_id = f"{run_id or uuid.uuid4().hex[:8]}-rank_{rank}"
-    return {
-        "project": environ.get("WANDB_PROJECT", "titanlite"),
-        "entity": environ.get("WANDB_TEAM") or environ.get("WANDB_ENTITY"),
-        "name": name,
-        "id": run_id,
-        "group": group,
-    }
-
-
-def _build_sinks(cfg, dump_folder: Path, rank: int | None, run_config: dict | None) -> list:
-    """The enabled sinks; `rank` (save_for_all_ranks) gives each rank its own names."""
-    sinks: list[_Sink] = []
-    if cfg.enable_tensorboard:
-        per_rank = "" if rank is None else f"rank_{rank}"
-        sinks.append(_TensorBoardSink(dump_folder / cfg.save_tb_folder / per_rank))
-    if cfg.enable_jsonl:
-        name = "metrics.jsonl" if rank is None else f"metrics_rank_{rank}.jsonl"
-        sinks.append(_JsonlSink(dump_folder / name))
-    if cfg.enable_wandb:
-        sinks.append(_WandbSink(dump_folder, rank, run_config))
-    return sinks
 
 
 class MetricsLogger:
@@ -476,10 +358,10 @@ class MetricsLogger:
                  run_config: dict | None = None):  # fmt: skip
         all_ranks = metrics_cfg.save_for_all_ranks
         self.enabled = all_ranks or rank == log_rank
-        self.sinks: list[_Sink] = []
+        self.sinks: list[Sink] = []
         if self.enabled:
             sink_rank = rank if all_ranks else None
-            self.sinks = _build_sinks(metrics_cfg, Path(dump_folder), sink_rank, run_config)
+            self.sinks = build_sinks(metrics_cfg, Path(dump_folder), sink_rank, run_config)
 
     def log(self, step: int, values: dict) -> None:
         if not self.enabled:
@@ -489,7 +371,7 @@ class MetricsLogger:
         for key, label, fmt in _CONSOLE:
             if floats.get(key) is not None:
                 parts.append(f"{label} {fmt.format(floats[key])}")
-        parts += _largest_block(floats)
+        parts += _largest_block(floats) + _slow_rank(floats)
         logger.info("  ".join(parts))
         for sink in self.sinks:
             sink.write(step, floats)

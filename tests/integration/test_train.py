@@ -7,7 +7,7 @@ from conftest import TINY_TRAIN, read_jsonl
 from wandb_offline import read_offline_run
 
 import train
-from titanlite.metrics import _tagged
+from titanlite.metrics_sinks import tagged
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -112,7 +112,7 @@ def test_wandb_run_holds_what_metrics_jsonl_holds(tmp_path, wandb_offline):
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     run = read_offline_run(run_dir)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert run.history == {row.pop("step"): _tagged(row) for row in rows}
+    assert run.history == {row.pop("step"): tagged(row) for row in rows}
     assert sorted(run.history) == [1, 2, 3] and "loss/validation" in run.history[2]
     assert run.config["training"]["steps"] == 3 and run.config["metrics"]["enable_wandb"]
     assert run.exit_code == 0
