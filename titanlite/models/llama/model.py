@@ -94,11 +94,6 @@ def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     torch 2.11 takes a mask together with GQA when cuDNN's is not chosen (flash takes no mask,
     memory-efficient no GQA), and SDPA's math fallback materializes every score [b, hq, sq, skv].
     """
-    if q.device.type == "cpu" and q.dtype != torch.float32:
-        # torch's CPU attention kernels are slower in bf16 than in fp32, casts included (fwd +
-        # bwd, 8 x 16 heads x 256 tokens, one process, 2 threads, AVX-512 BF16: 41 vs 24 ms at
-        # head_dim 16, 4.6 vs 4.8 ms at 64), and far slower where the CPU lacks bf16 units.
-        return sdpa(q.float(), k.float(), v.float(), mask).type_as(q)
     n_rep = q.shape[1] // k.shape[1]
     if mask is None and native_gqa(q.device):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
