@@ -50,6 +50,7 @@ from titanlite.hf import (
     write_hf_config,
 )
 from titanlite.models import get_family
+from titanlite.progress import Progress  # noqa: E402
 
 try:
     import tomllib
@@ -160,12 +161,15 @@ def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
                          "loaders would mix them in; export into an empty directory")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
+    progress = Progress("exporting", len(shards), unit="shards", scale=1)
     for names, shard in zip(parts, shards, strict=True):
         hf = to_hf(ckpt.weights(names), args, DTYPES[dtype])
         save_file(hf, str(out / shard), {"format": "pt"})
         weight_map.update(dict.fromkeys(hf, shard))
         total += sum(t.nbytes for t in hf.values())
         del hf
+        progress.add(1)
+    progress.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     write_hf_config(out, args, dtype)
@@ -183,7 +187,7 @@ def hf_to_dcp(hf_dir: Path, out: Path, dtype: str) -> None:
         ours: LazyTensor(hf_shape(files, name), DTYPES[dtype], make)
         for ours, (name, make) in convert.items()
     }
-    save_lazily({"model": model}, out)
+    save_lazily({"model": model}, out, "converting")
     # Loading it into titanlite needs a model with matching shapes: --model.flavor with this dim
     # and layer count, and a tokenizer whose padded size equals the vocab below.
     print(f"wrote {out}: vocab {cfg['vocab_size']}, dim {cfg['hidden_size']}, "
@@ -192,7 +196,7 @@ def hf_to_dcp(hf_dir: Path, out: Path, dtype: str) -> None:
 
 def dcp_to_torch(step_dir: Path, out: Path, dtype: str, everything: bool) -> None:
     if everything:  # optimizer, scheduler, loader, train state too, exactly as saved
-        torch_save_lazily(whole_state_lazily(DcpCheckpoint(step_dir)), out)
+        torch_save_lazily(whole_state_lazily(DcpCheckpoint(step_dir)), out, "converting")
         return
     ckpt = DcpModel(step_dir)
     to = DTYPES[dtype]
@@ -202,7 +206,7 @@ def dcp_to_torch(step_dir: Path, out: Path, dtype: str, everything: bool) -> Non
 
     # Meta key names, like consolidated.00.pth
     model = {k: LazyTensor(tuple(size), to, make(k)) for k, size in ckpt.shapes.items()}
-    torch_save_lazily(model, out)
+    torch_save_lazily(model, out, "converting")
 
 
 def whole_state_lazily(ckpt: DcpCheckpoint) -> dict:

@@ -51,7 +51,9 @@ def write_seed_checkpoint(cfg: JobConfig) -> int:
     meta = {"step": 0, "model_only": True, "dp_degree": 1, "world_size": 1}
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
     shutil.rmtree(folder / "step-0.tmp", ignore_errors=True)  # a crashed earlier attempt
-    save_lazily({"model": weights, "meta": pickle.dumps(meta)}, folder / "step-0.tmp")
+    save_lazily(
+        {"model": weights, "meta": pickle.dumps(meta)}, folder / "step-0.tmp", "seed checkpoint"
+    )
     path = publish(folder, 0)
     dump_toml(cfg, os.path.join(cfg.job.dump_folder, "config.toml"))  # conversion reads it
     logger.info("seed checkpoint written: %s (%s parameters)", path, f"{model.num_params(False):,}")

@@ -7,6 +7,7 @@ state would have given.
 """
 
 import contextlib
+import math
 import os
 import warnings
 import zipfile
@@ -19,6 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
+
+from titanlite.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -64,18 +67,28 @@ class _LazySavePlanner(DefaultSavePlanner):
     """Plans on meta stand-ins and makes each real tensor when DCP asks for its bytes (DCP's
     `resolve_data` is the documented place for lazy allocation)."""
 
-    def __init__(self, lazy_by_stand_in: dict[int, LazyTensor]):
+    def __init__(self, lazy_by_stand_in: dict[int, LazyTensor], progress: Progress):
         super().__init__()
         self._lazy_by_stand_in = lazy_by_stand_in  # keyed by id(): the stand-ins stay alive
+        self._progress = progress
 
     def resolve_data(self, write_item: WriteItem):
         lazy = self._lazy_by_stand_in.get(id(self.lookup_object(write_item.index)))
-        return super().resolve_data(write_item) if lazy is None else materialize(lazy)
+        if lazy is None:
+            return super().resolve_data(write_item)
+        t = materialize(lazy)
+        self._progress.add(t.numel() * t.element_size())
+        return t
 
 
-def save_lazily(state: dict, checkpoint_dir: Path | str) -> None:
+def _nbytes(leaves) -> int:
+    return sum(math.prod(lz.shape) * lz.dtype.itemsize for lz in leaves)
+
+
+def save_lazily(state: dict, checkpoint_dir: Path | str, label: str = "writing") -> None:
     """`dcp.save(state)` (single process, no process group) with LazyTensor leaves made one at
-    a time. Peak memory: about two tensors (the one written and the one being made)."""
+    a time. Peak memory: about two tensors (the one written and the one being made). On a
+    terminal, progress lines start with `label`."""
     lazy_by_stand_in: dict[int, LazyTensor] = {}
 
     def stand_in(lazy: LazyTensor) -> torch.Tensor:
@@ -87,9 +100,11 @@ def save_lazily(state: dict, checkpoint_dir: Path | str) -> None:
     # One file per item: FileSystemWriter keeps every tensor of a file alive until the file is
     # done (its safetensors path needs them all), and a CUDA host stages a file's tensors ahead.
     writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=False)
-    planner = _LazySavePlanner(lazy_by_stand_in)
+    progress = Progress(label, _nbytes(lazy_by_stand_in.values()))
+    planner = _LazySavePlanner(lazy_by_stand_in, progress)
     with single_process_quietly():
         dcp.save(skeleton, storage_writer=writer, planner=planner, no_dist=True)
+    progress.close()
 
 
 def _walk_lazy(state, path=()):
@@ -125,8 +140,9 @@ def _storage_records(path: Path | str) -> int:
         return sum(n.rsplit("/", 2)[-2:-1] == ["data"] for n in z.namelist())
 
 
-def torch_save_lazily(state, path: Path | str) -> None:
-    """`torch.save(state, path)` with LazyTensor leaves made one at a time.
+def torch_save_lazily(state, path: Path | str, label: str = "writing") -> None:
+    """`torch.save(state, path)` with LazyTensor leaves made one at a time (on a terminal,
+    progress lines start with `label`).
 
     torch.save writes a skeleton with space reserved for each storage (`skip_data`); loading
     that skeleton on the meta device tells each storage's byte offset, where the made tensor's
@@ -145,12 +161,15 @@ def torch_save_lazily(state, path: Path | str) -> None:
                          "list; its bytes would be lost")  # fmt: skip
     # Unpickling our own file: non-tensor leaves are whatever the caller passed (DCP blobs).
     placed = torch.load(path, map_location="meta", weights_only=False)
+    progress = Progress(label, _nbytes(lazy for _, lazy in leaves))
     with open(path, "r+b") as f:
         for leaf_path, lazy in leaves:
             t = materialize(lazy)
             if t.numel():
                 f.seek(_get(placed, leaf_path).untyped_storage()._checkpoint_offset)
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            progress.add(t.numel() * t.element_size())
             del t
         f.flush()
         os.fsync(f.fileno())
+    progress.close()
