@@ -1,4 +1,5 @@
-"""How long a checkpoint save blocks the training loop, sync vs async (one process).
+"""Checkpoint I/O against the disk: save and load GB/s beside the folder's own sequential write
+and read bandwidth, and how long a save blocks the training loop, sync vs async (one process).
 
     python scripts/bench_checkpoint.py                       # debugmodel and 1B with 4 layers
     python scripts/bench_checkpoint.py --models 1B:16 --saves 5 --folder /fast/disk/tmp
@@ -11,10 +12,17 @@ allocates the staging buffers, later ones copy into the same buffers, so first a
 reported apart (later: median). "written" is until the checkpoint is complete on disk, published
 and the older ones pruned (`wait()` returned). Async mode holds a second copy of the state in
 memory for as long as the manager lives (the staging buffers).
+
+The disk's own bandwidth is measured the same way in the same folder: a file of the state's size
+written in 64 MiB blocks and fsynced (as DCP fsyncs each file), then read back. Load is a full
+resume (`CheckpointManager.load`) of the last synchronous save. Reads, ours and the baseline's
+alike, come from the page cache when the state fits in memory: they compare, but are not the
+disk's.
 """
 
 import argparse
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -26,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titanlite.checkpoint import CheckpointManager  # noqa: E402
+from titanlite.checkpoint import CheckpointManager, LoadPlan  # noqa: E402
 from titanlite.config import Checkpoint  # noqa: E402
 from titanlite.models.llama.args import get_model_args  # noqa: E402
 from titanlite.models.llama.model import Transformer  # noqa: E402
@@ -70,6 +78,26 @@ def state_gib(model, opt) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
 
+def disk_bandwidth(folder: Path, nbytes: int) -> tuple[float, float]:
+    """(write, read) bytes/s of one file of `nbytes` in 64 MiB blocks, fsynced after writing."""
+    block = os.urandom(64 * 2**20)
+    path = folder / "bandwidth.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for offset in range(0, nbytes, len(block)):
+            f.write(block[: nbytes - offset])
+        f.flush()
+        os.fsync(f.fileno())
+    write = nbytes / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(len(block)):
+            pass
+    read = nbytes / (time.perf_counter() - t0)
+    path.unlink()
+    return write, read
+
+
 def bench(model, opt, sched, mode: str, saves: int, folder: Path) -> dict[str, float]:
     cfg = replace(Checkpoint(), enable=True, interval=1, keep_latest_k=1, async_mode=mode)
     mgr = CheckpointManager(cfg, folder, model, opt, sched, _State(), _State())
@@ -80,12 +108,16 @@ def bench(model, opt, sched, mode: str, saves: int, folder: Path) -> dict[str, f
         blocked.append(time.perf_counter() - t0)
         mgr.wait()  # a training loop would run steps here; waited for to time the whole write
         written.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    mgr.load(LoadPlan(folder / cfg.folder / f"step-{saves}", weights_only=False))
+    loaded = time.perf_counter() - t0
     mgr.close()
     shutil.rmtree(folder / cfg.folder, ignore_errors=True)
     return {
         "first": blocked[0],
         "later": statistics.median(blocked[1:]),
         "written": statistics.median(written[1:]),
+        "loaded": loaded,
     }
 
 
@@ -104,22 +136,33 @@ def main(argv=None) -> None:
         model, opt, sched = build(spec, a.vocab)
         size = state_gib(model, opt)
         with tempfile.TemporaryDirectory(dir=a.folder or None) as tmp:
+            disk = disk_bandwidth(Path(tmp), int(size * 2**30))
             res = {
                 m: bench(model, opt, sched, m, a.saves, Path(tmp)) for m in ("disabled", "async")
             }
         params = sum(p.numel() for p in model.parameters()) / 1e6
-        rows.append((spec, params, size, res))
+        rows.append((spec, params, size, disk, res))
         del model, opt, sched
     print(f"\n{a.saves} saves per mode (later = median of saves 2-{a.saves}), one process, "
           f"fp32 + AdamW, vocab {a.vocab}; blocked = save() holds the caller, s\n")  # fmt: skip
     print("| model | params (M) | state (GiB) | sync blocked 1st / later | async blocked 1st "
           "/ later | async written (later) | async / sync blocked (later) |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for spec, params, size, res in rows:
+    for spec, params, size, _, res in rows:
         sync, asy = res["disabled"], res["async"]
         print(f"| {spec} | {params:.1f} | {size:.2f} | {sync['first']:.3f} / {sync['later']:.3f} "
               f"| {asy['first']:.3f} / {asy['later']:.3f} | {asy['written']:.3f} "
               f"| {asy['later'] / sync['later']:.2f} |")  # fmt: skip
+    print("\nGB/s (1e9 bytes); disk = the folder's own fsynced write / read of the same size\n")
+    print("| model | disk write | sync save | save / disk | disk read | load | load / disk "
+          "| async blocked / async written |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for spec, _, size, (write, read), res in rows:
+        nbytes, sync, asy = size * 2**30, res["disabled"], res["async"]
+        save, load = nbytes / sync["written"], nbytes / sync["loaded"]
+        print(f"| {spec} | {write / 1e9:.2f} | {save / 1e9:.2f} | {save / write:.0%} "
+              f"| {read / 1e9:.2f} | {load / 1e9:.2f} | {load / read:.0%} "
+              f"| {asy['later'] / asy['written']:.0%} |")  # fmt: skip
 
 
 if __name__ == "__main__":
