@@ -46,6 +46,7 @@ from titanlite.distributed import (
 )
 from titanlite.dry_run import dry_run, write_seed_checkpoint
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
+from titanlite.host import GarbageCollection
 from titanlite.loss import IGNORE_INDEX
 from titanlite.metrics import (
     DeviceMemoryMonitor,
@@ -264,6 +265,7 @@ class Trainer:
         window = LogWindow()
         prof_cfg, folder = cfg.profiling, cfg.job.dump_folder
         with (
+            GarbageCollection(cfg.training.gc_freq) as garbage,
             maybe_enable_profiling(prof_cfg, folder, st.step, self.rank) as profiler,
             maybe_enable_memory_snapshot(prof_cfg, folder, st.step, self.rank) as snapshotter,
         ):
@@ -275,6 +277,7 @@ class Trainer:
                 window.add(out)
                 profiler.step()
                 snapshotter.step()
+                garbage.step(st.step)
                 values = {}
                 if self.log_schedule.due(st.step) or out.stop:
                     values.update(self.train_metrics(window))
@@ -414,7 +417,7 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.debug.seed)
     if cfg.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     try:
         trainer = Trainer(cfg, dist_env)
     except (ConfigError, CheckpointError) as e:

@@ -1,3 +1,4 @@
+import gc
 import os
 import subprocess
 import sys
@@ -5,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.host import cpus_per_local_rank
+from titanlite.host import GarbageCollection, cpus_per_local_rank
 
 WORKER = Path(__file__).with_name("pinned_cpus.py")
 
@@ -29,3 +30,16 @@ def test_cpus_follow_affinity_shared_by_local_ranks(local_ranks, expected):
 def test_at_least_one(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
     assert cpus_per_local_rank() == 1
+
+
+def test_garbage_collection_runs_every_freq_steps_and_automatic_collection_comes_back(
+    monkeypatch,
+):
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation))
+    assert gc.isenabled()
+    with GarbageCollection(3) as garbage:
+        assert not gc.isenabled() and calls == [1]  # one collection on entry
+        for step in range(1, 8):
+            garbage.step(step)
+    assert calls == [1, 1, 1] and gc.isenabled()  # steps 3 and 6

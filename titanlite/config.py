@@ -132,6 +132,10 @@ class Training:
     seq_len: int = opt(2048, "Tokens per sequence", ge=1)
     steps: int = opt(10000, "Optimizer steps to run", ge=1)
     max_norm: float = opt(1.0, "Gradient clipping max norm")
+    gc_freq: int = opt(
+        50, "Python garbage collection every N steps on every rank (automatic collection off)",
+        ge=1,
+    )  # fmt: skip
     mixed_precision_param: str = opt(
         "auto",
         "Compute dtype of parameters in forward/backward; auto = bfloat16 where the device has "
@@ -201,6 +205,9 @@ class Checkpoint:
     folder: str = opt("checkpoint", "Checkpoint folder inside dump_folder")
     interval: int = opt(500, "Save every N steps", ge=1)
     keep_latest_k: int = opt(0, "Keep only the newest K checkpoints (0 = keep all)", ge=0)
+    enable_first_step_checkpoint: bool = opt(
+        False, "Also save after step 1: checks saving works on new storage without waiting"
+    )
     load_step: int = opt(-1, "Step to resume from (-1 = newest)")
     initial_load_path: str = opt("", "Checkpoint to start from when the folder has none")
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face safetensors folder")
@@ -345,6 +352,9 @@ class Debug:
 
     seed: int = opt(42, "Random seed of the weights and the data order")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
+    deterministic_warn_only: bool = opt(
+        False, "With deterministic: warn, not fail, on an op that has no deterministic kernel"
+    )
 
 
 @dataclass

@@ -15,6 +15,7 @@ import tomli_w
 
 from titanlite.checks import check_options
 from titanlite.config import ConfigError, JobConfig
+from titanlite.torchtitan_options import explain
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -147,10 +148,15 @@ def _apply_table(cfg: JobConfig, path: Path, table: dict, prefix: str) -> None:
             _check(OPTIONS[name], value, where)
             _set(cfg, name, value)
         elif isinstance(value, dict):
+            for key in value:  # a torchtitan section titanlite lacks: say why, by its keys
+                if why := explain(f"{name}.{key}"):
+                    raise ConfigError(f"{path}: [{name}] {key}: {why}")
             raise ConfigError(f"{path}: unknown section [{name}]{_suggest(name, list(TABLES))}")
         elif not prefix:
             hint = _suggest(name, list(OPTIONS))
             raise ConfigError(f"{path}: top-level key {name!r} belongs in a [section]{hint}")
+        elif why := explain(name):
+            raise ConfigError(f"{path}: {name}: {why}")
         else:
             raise ConfigError(f"{path}: unknown key {name}{_suggest(name, list(OPTIONS))}")
 
@@ -189,6 +195,8 @@ def _parse_cli(argv: list[str]) -> dict[str, Any]:
         name, has_eq, text = arg[2:].partition("=")
         negated, name = _negation(name)
         prefix = "--no-" if negated else "--"
+        if name not in OPTIONS and (why := explain(name)):
+            raise ConfigError(f"--{name}: {why}")
         if name not in OPTIONS:
             hint = _suggest(name, list(OPTIONS), prefix)
             raise ConfigError(f"unknown option {prefix}{name}{hint}")

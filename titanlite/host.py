@@ -1,5 +1,6 @@
-"""What this process may use of its host."""
+"""What this process may use of its host, and when it pauses for Python's garbage collector."""
 
+import gc
 import os
 
 
@@ -9,3 +10,26 @@ def cpus_per_local_rank() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, (cpus or 1) // max(1, local_ranks))
+
+
+class GarbageCollection:
+    """Python's automatic collection off; a young-generation collection every `freq` steps
+    instead. Automatic collections pause each rank at its own moment, and the others wait for
+    it at the next collective: on many ranks that is a straggler every few steps. Collected on
+    the same steps everywhere, the pauses overlap. A context: automatic collection is back on
+    leaving it."""
+
+    def __init__(self, freq: int):
+        self.freq = freq
+
+    def __enter__(self):
+        gc.disable()
+        gc.collect(1)
+        return self
+
+    def step(self, step: int) -> None:
+        if step % self.freq == 0:
+            gc.collect(1)
+
+    def __exit__(self, *exc) -> None:
+        gc.enable()

@@ -39,7 +39,7 @@ def build_manager(folder, shapes=(8, 16), **cfg) -> CheckpointManager:
     model = nn.Sequential(nn.Linear(shapes[0], shapes[1]), nn.ReLU(), nn.Linear(shapes[1], 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-    cfg = replace(Checkpoint(), enable=True, interval=1, **cfg)
+    cfg = replace(Checkpoint(), **{"enable": True, "interval": 1, **cfg})
     loader, train_state = Box(pos=0), Box(step=0, tokens_seen=0)
     return CheckpointManager(cfg, folder, model, opt, sched, loader, train_state)
 

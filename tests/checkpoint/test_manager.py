@@ -209,3 +209,10 @@ def test_finished_async_save_is_published_without_the_loop(tiny, tmp_path):
         time.sleep(0.01)  # nothing is called on the manager meanwhile
     assert list(scan_checkpoints(tmp_path / "checkpoint")[0]) == [1]
     mgr.close()
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_first_step_checkpoint_adds_step_1_to_the_schedule(tiny, tmp_path, first):
+    mgr = tiny.manager(tmp_path, interval=10, enable_first_step_checkpoint=first)
+    assert [s for s in range(1, 21) if mgr.due(s)] == ([1] if first else []) + [10, 20]
+    mgr.close()

@@ -131,10 +131,12 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- save
     def due(self, step: int, final: bool = False) -> bool:
-        """Every `interval` steps, and at the run's last step (or a requested stop)."""
+        """Every `interval` steps, at the run's last step (or a requested stop), and at step 1
+        with enable_first_step_checkpoint."""
         if not self.cfg.enable or step == self._last_saved:
             return False
-        return step % self.cfg.interval == 0 or final
+        first = step == 1 and self.cfg.enable_first_step_checkpoint
+        return step % self.cfg.interval == 0 or final or first
 
     def save(self, step: int) -> None:
         """Save `step`; it is complete on disk once `wait()` or `close()` returned. Model only
