@@ -22,6 +22,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from titanlite.distributed import local_value
+
 logger = logging.getLogger("titanlite")
 
 
@@ -33,7 +35,7 @@ def synchronize(device: torch.device) -> None:
 
 def local_numel(model: torch.nn.Module) -> int:
     """Parameter elements this rank holds (its shards under FSDP/TP, its stages under PP)."""
-    return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    return sum(local_value(p).numel() for p in model.parameters())
 
 
 class SlowRankFinder:
