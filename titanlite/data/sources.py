@@ -104,11 +104,13 @@ def _file_stats(files: list[Path]) -> list:
 def stdlib_files() -> tuple[Path, list[Path]]:
     """(stdlib root, its .py files sorted by relative path, exclusions applied)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if not STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
-    ]
+    files = []
+    # Excluded folders are pruned, not walked and filtered: the interpreter's own site-packages
+    # lies under the stdlib root and may hold tens of thousands of files (0.8 s of every
+    # rank's start-up on a 2-core machine with 43k there).
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in STDLIB_EXCLUDED_DIRS]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
