@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ranks import run_ranks
 from wandb_offline import wandb_offline_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,15 +104,11 @@ def run_train(args, nproc=1, env=None, timeout=600, check=True, nnodes_args=None
 
 
 def torchrun_script(script, *args, nproc=4, timeout=600):
-    """Run a worker script on `nproc` gloo ranks (1 thread each; plain python for one rank); a
-    non-zero exit fails the test."""
-    # Worker scripts are often the test file itself, which imports the package and this file.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
-    launch = [sys.executable]
-    if nproc > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*launch, str(script), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run a worker script on `nproc` gloo ranks (1 thread each; plain python for one rank), each
+    a fork of a process that has imported torch and titanlite (tests/ranks.py); a non-zero exit
+    fails the test."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = run_ranks(script, args, nproc, env, timeout, free_port)
     if proc.returncode != 0:
         pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode}\n{proc.stderr[-6000:]}")
     return proc

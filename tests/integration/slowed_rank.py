@@ -1,7 +1,7 @@
 """Worker: train.py on every rank, with rank 1 made slow on purpose.
 
-argv[1] is what to slow: "data" (each step's batch takes 0.3 s longer to load) or "compute"
-(each optimizer step takes 0.3 s longer, as on a throttled device); the rest is train.py's
+argv[1] is what to slow: "data" (each step's batch takes 0.6 s longer to load) or "compute"
+(each optimizer step takes 0.6 s longer, as on a throttled device); the rest is train.py's
 arguments.
 """
 
@@ -19,7 +19,7 @@ from titanlite.data.loader import TrainLoader
 def slowed(method):
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-        time.sleep(0.3)
+        time.sleep(0.6)
         return method(*args, **kwargs)
 
     return wrapper
