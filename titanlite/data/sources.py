@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.config import ConfigError
+from titanlite.data.diagnose import check_not_empty, data_error
 from titanlite.data.store import MANIFEST, is_store
 
 STDLIB_EXCLUDED_DIRS = frozenset(
@@ -78,15 +79,29 @@ class DocumentStream:
     open: Callable[[], Any] = field(repr=False)  # -> a fresh IterableDataset at its start
     text_column: str
     where: str  # names the source in errors
+    files: tuple[Path, ...] = ()  # local files: a bad row is then named by file and line
+    builder: str = ""
 
     def texts(self, ds) -> Iterator[str]:
         """The non-empty texts of `ds` (this stream or a share of it), one example at a time, so
         `ds.state_dict()` taken between two texts is the position right after the first."""
-        for example in ds:
-            if self.text_column not in example:
-                raise _missing_column(self.where, self.text_column, list(example))
-            if text := example[self.text_column]:
-                yield text
+        column, files = self.text_column, list(self.files)
+        try:
+            for example in ds:
+                if column not in example:
+                    raise _missing_column(self.where, column, list(example))
+                text = example[column]
+                if text is None:
+                    no_text = f"{self.where}: a document has no {column!r} (null or missing)"
+                    raise data_error(files, self.builder, column, no_text)
+                if text:
+                    yield text
+        except ConfigError:
+            raise
+        except Exception as e:  # datasets' errors for malformed rows name no file or line
+            if (error := data_error(files, self.builder, column)) is None:
+                raise
+            raise error from e
 
 
 def _streamed(name: str, fingerprint: str, stream: DocumentStream) -> TextSource:
@@ -176,12 +191,17 @@ def _missing_column(where: str, text_column: str, columns: list) -> ConfigError:
     )
 
 
-def _iter_texts(ds, text_column: str, where: str) -> Iterator[str]:
-    """Texts of a map-style datasets Dataset, with a clear error for a wrong column."""
+def _iter_texts(ds, text_column: str, where: str, files=(), builder="") -> Iterator[str]:
+    """Texts of a map-style datasets Dataset, with a clear error for a wrong column and for a
+    row without text (datasets fills it with None)."""
     if text_column not in ds.column_names:
         raise _missing_column(where, text_column, ds.column_names)
     for batch in ds.select_columns([text_column]).iter(batch_size=1024):
-        yield from (t for t in batch[text_column] if t)
+        texts = batch[text_column]
+        if None in texts:
+            no_text = f"{where}: a document has no {text_column!r} (null or missing)"
+            raise data_error(list(files), builder, text_column, no_text)
+        yield from (t for t in texts if t)
 
 
 def _load_dataset(path, name, data_files, split, streaming, **kwargs):
@@ -196,21 +216,30 @@ def local_source(dataset_path: str, text_column: str = "text", streaming: bool =
     """Local files through `datasets` (map-style: fast memory-mapped Arrow; or streaming, one
     stream shard per file)."""
     files = expand_paths(dataset_path)
+    check_not_empty(files)
     builder = _pick_builder(files)
     # .txt: one document per file (datasets' default would make every LINE a document).
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     str_files = [str(f) for f in files]
 
     def open_dataset():
-        return _load_dataset(builder, None, str_files, "train", streaming, **kwargs)
+        try:
+            return _load_dataset(builder, None, str_files, "train", streaming, **kwargs)
+        except Exception as e:  # "An error occurred while generating the dataset": which row?
+            if (error := data_error(files, builder, text_column)) is None:
+                raise
+            raise error from e
 
     name, where = f"local-{files[0].stem}", f"dataset_path {dataset_path!r}"
     fingerprint = _hash({"kind": builder, "files": _file_stats(files), "column": text_column})
     if streaming:
-        return _streamed(name, fingerprint, DocumentStream(open_dataset, text_column, where))
-    return TextSource(
-        name, fingerprint, False, lambda: _iter_texts(open_dataset(), text_column, where)
-    )
+        stream = DocumentStream(open_dataset, text_column, where, tuple(files), builder)
+        return _streamed(name, fingerprint, stream)
+
+    def documents():
+        return _iter_texts(open_dataset(), text_column, where, files, builder)
+
+    return TextSource(name, fingerprint, False, documents)
 
 
 def hub_source(dataset: str, text_column: str = "text", split: str = "train") -> TextSource:
