@@ -27,6 +27,7 @@ from titanlite.checks import (
     check_float8_device,
     check_job,
     check_offload_device,
+    check_output_folders,
     check_single_process,
 )
 from titanlite.config import ConfigError, JobConfig
@@ -399,6 +400,7 @@ def main(argv=None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
         check_single_process(cfg)
+        check_output_folders(cfg)
     except ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         return 2

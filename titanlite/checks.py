@@ -4,6 +4,8 @@ arithmetic), and the few that need the device."""
 
 import importlib.util
 import os
+import tempfile
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -11,6 +13,9 @@ from torch.torch_version import TorchVersion
 
 from titanlite.build import model_args_for
 from titanlite.config import Checkpoint, ConfigError, JobConfig, Metrics, Optimizer, Training
+from titanlite.data.cache import cache_root
+from titanlite.data.sources import HUB_DATASETS
+from titanlite.data.store import is_store
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
@@ -314,3 +319,27 @@ def check_single_process(cfg: JobConfig) -> None:
             f"{what} runs in a single process: use plain `python train.py`, not torchrun "
             "(the dry run plays the world given by --comm.fake_world_size)"
         )
+
+
+def check_output_folders(cfg: JobConfig) -> None:
+    """The folders the job will write exist or can be made, and take a file: found now, on
+    every rank, rather than as a traceback at the first save or, for the token cache, as a
+    build that fails on rank 0 while the other ranks wait out training.data_build_timeout_s."""
+    t = cfg.training
+    folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
+    if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
+        folders["checkpoint.folder"] = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    streamed = t.dataset_streaming or t.dataset in HUB_DATASETS
+    if not (streamed or is_store(t.dataset_path) or cfg.comm.mode == "fake_backend"):
+        cache = "the token cache (training.data_cache_dir or TITANLITE_CACHE)"
+        folders[cache] = cache_root(t.data_cache_dir)
+    for what, folder in folders.items():
+        try:
+            folder.expanduser().mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder.expanduser()):
+                pass
+        except OSError as e:
+            raise ConfigError(
+                f"{what} {folder} cannot be created or written ({e.strerror or e}): "
+                "pick a folder this user can write"
+            ) from e

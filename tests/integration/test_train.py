@@ -63,6 +63,10 @@ def test_debug_run_learns_and_reports_every_metric(tmp_path, train_runner):
         (["--checkpoint.initial_load_path", "/no/such/step-0"], "/no/such/step-0"),
         (["--model.attention_backend", "flex"], "flex only applies document masks"),
         (["--parallelism.pipeline_parallel_schedule", "1f1c"], "'1f1c' is not a known schedule"),
+        # Folders that cannot be made (a path under a file): named before any work.
+        (["--job.dump_folder", "/dev/null/out"], "job.dump_folder /dev/null/out cannot be created"),
+        (["--checkpoint.enable", "--checkpoint.folder", "/dev/null/ck"], "checkpoint.folder /dev"),
+        (["--training.data_cache_dir", "/dev/null/c"], "the token cache (training.data_cache_dir"),
         pytest.param(
             ["--model.flavor", "debugmodel_flex_attn", "--model.attention_backend", "flex"],
             "cannot train on CPU",
