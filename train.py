@@ -163,6 +163,7 @@ class Trainer:
         check_float8_device(cfg, self.device)
         check_attention_device(job.model_args, self.device)
         check_offload_device(cfg, job.parallel_dims, self.device, torch.__version__)
+        check_output_folders(cfg)
         pd = self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
@@ -400,7 +401,6 @@ def main(argv=None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
         check_single_process(cfg)
-        check_output_folders(cfg)
     except ConfigError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         return 2

@@ -322,15 +322,16 @@ def check_single_process(cfg: JobConfig) -> None:
 
 
 def check_output_folders(cfg: JobConfig) -> None:
-    """The folders the job will write exist or can be made, and take a file: found now, on
-    every rank, rather than as a traceback at the first save or, for the token cache, as a
-    build that fails on rank 0 while the other ranks wait out training.data_build_timeout_s."""
+    """The folders the job will write exist or can be made, and take a file: found once the
+    options passed their checks (a refused job leaves no folder behind), on every rank, rather
+    than as a traceback at the first save or, for the token cache, as a build that fails on
+    rank 0 while the other ranks wait out training.data_build_timeout_s."""
     t = cfg.training
     folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
     if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
         folders["checkpoint.folder"] = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
     streamed = t.dataset_streaming or t.dataset in HUB_DATASETS
-    if not (streamed or is_store(t.dataset_path) or cfg.comm.mode == "fake_backend"):
+    if not (streamed or is_store(t.dataset_path)):
         cache = "the token cache (training.data_cache_dir or TITANLITE_CACHE)"
         folders[cache] = cache_root(t.data_cache_dir)
     for what, folder in folders.items():

@@ -16,7 +16,7 @@ import torch
 from titanlite.build import build_model, count_params, init_model, model_args_for
 from titanlite.checkpoint import publish
 from titanlite.checkpoint.stream import LazyTensor, save_lazily
-from titanlite.checks import check_job
+from titanlite.checks import check_job, check_output_folders
 from titanlite.config import JobConfig
 from titanlite.config_parse import dump_toml
 from titanlite.data.tokenizer import build_tokenizer
@@ -35,6 +35,7 @@ def write_seed_checkpoint(cfg: JobConfig) -> int:
     """Step 0, weights only, written one tensor at a time (memory: the largest tensor, at any
     model size): the weights every layout draws for this seed, as a checkpoint to start from."""
     args = model_args_for(cfg, build_tokenizer(cfg.model))
+    check_output_folders(cfg)
     with torch.device("meta"):
         model = get_family(cfg.model.name).model_cls(args)
     seed = cfg.debug.seed
