@@ -23,8 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
-import runpy
 import shutil
 import signal
 import subprocess
@@ -60,7 +58,6 @@ CPU_SMOKE = ("--model.vocab_limit", "512", "--training.seq_len", "32",
              "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
              "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-3", "--training.steps", "3",
              "--metrics.peak_tflops", "1")  # fmt: skip
-_LAYER_FLAVOR = re.compile(r"^(?P<base>.+)_(?P<layers>\d+)L$")
 
 
 @dataclass(frozen=True)
@@ -201,6 +198,28 @@ def bench_loss_stage(m: Machine) -> list:
     return [Run("bench_loss", args, script="scripts/bench_loss.py")]
 
 
+def calibrate_stage(m: Machine) -> list:
+    """Single-GPU layouts of varied shape (model, tokens per step, sequence length, AC, loss,
+    compile) whose run folders `scripts/plan.py --calibrate` reads: fit some, predict the rest."""
+    steps = ("--model.vocab_limit", "0", "--training.steps", "10")
+
+    def shape(flavor: str, seq: int, batch: int) -> tuple[str, ...]:
+        return (*steps, "--model.flavor", flavor, "--training.seq_len", str(seq),
+                "--training.local_batch_size", str(batch))  # fmt: skip
+
+    full = ("--activation_checkpoint.mode", "full")
+    return [
+        Run("cal_1B_8k_sac", (*shape("1B", 8192, 1), *SAC, *COMPILE)),
+        Run("cal_1B_8k_full_chunk", (*shape("1B", 8192, 1), *full, *CHUNK, *COMPILE)),
+        Run("cal_1B_2k_b4_none", (*shape("1B", 2048, 4), *COMPILE)),
+        Run("cal_1B_16k_sac_chunk", (*shape("1B", 16384, 1), *SAC, *CHUNK, *COMPILE)),
+        Run("cal_3B8L_8k_sac_chunk", (*shape("3B_8L", 8192, 1), *SAC, *CHUNK, *COMPILE)),
+        Run("cal_8B4L_4k_b2_full_chunk", (*shape("8B_4L", 4096, 2), *full, *CHUNK, *COMPILE)),
+        Run("cal_8B4L_8k_sac_chunk", (*shape("8B_4L", 8192, 1), *SAC, *CHUNK, *COMPILE)),
+        Run("cal_1B_4k_b2_sac_eager", (*shape("1B", 4096, 2), *SAC)),
+    ]
+
+
 def multi_stage(m: Machine) -> list:
     """Every parallelism on an even number of GPUs, degree 2, FSDP over the rest (1B, eager)."""
     n = m.ngpu - m.ngpu % 2
@@ -236,6 +255,7 @@ STAGES = {
     "8b_block": (1, 6, eight_b_block_stage),
     "flex": (1, 5, flex_stage),
     "bench_loss": (1, 2, bench_loss_stage),
+    "calibrate": (1, 7, calibrate_stage),
     "multi": (2, 8, multi_stage),
     "8b": (8, 5, eight_b_stage),
 }
@@ -248,9 +268,8 @@ def train_args(run: Run, folder: Path, machine: Machine) -> list[str]:
 
 
 def command(run: Run, args: list[str]) -> list[str]:
-    """The argv of `run` with `args`: through this file's --_run entry (which adds layer-count
-    flavors such as 8B_4L), under torchrun where asked or for several processes."""
-    entry = [str(Path(__file__).resolve()), "--_run", run.script, *args]
+    """The argv of `run` with `args`, under torchrun where asked or for several processes."""
+    entry = [str(REPO / run.script), *args]
     if run.nproc > 1 or run.torchrun:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         return [*launch, f"--nproc_per_node={run.nproc}", *entry]
@@ -331,8 +350,6 @@ def display_command(run: Run) -> str:
     if run.nproc > 1 or run.torchrun:
         launcher = f"torchrun --nproc_per_node={run.nproc}"
     script = run.script
-    if any(_LAYER_FLAVOR.match(a) for a in run.args):
-        script = f"scripts/gpu_check.py --_run {script}"
     resume = ""
     if run.resume_from:
         resume = f" (from {run.resume_from[0]}'s step-{run.resume_from[1]} checkpoint)"
@@ -402,23 +419,6 @@ def machine_from(info: dict, cpu_smoke: bool) -> Machine:
 
 
 # ---------------------------------------------------------------------------- entry points
-def run_entry(argv: list[str]) -> None:
-    """--_run SCRIPT ARGS: SCRIPT as __main__ after adding any "<flavor>_<N>L" flavor named in
-    ARGS (the flavor with N layers) to this process's flavor table; args.py is not touched."""
-    script, args = argv[0], argv[1:]
-    sys.path.insert(0, str(REPO))
-    for name in args:
-        match = _LAYER_FLAVOR.match(name)
-        if match:
-            from titanlite.models.llama.args import LLAMA3_FLAVORS
-
-            base = LLAMA3_FLAVORS.get(match["base"])
-            if base is not None:
-                LLAMA3_FLAVORS[name] = dataclasses.replace(base, n_layers=int(match["layers"]))
-    sys.argv = [script, *args]
-    runpy.run_path(str(REPO / script), run_name="__main__")
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -459,9 +459,6 @@ def compare_text(same: Same) -> str:
 
 def main(argv: list[str] | None = None, probe=probe) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--_run"]:
-        run_entry(argv[1:])
-        return 0
     args = parse(argv)
     info = probe()
     machine = machine_from(info, args.cpu_smoke)

@@ -301,8 +301,9 @@ def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
     return root + in_flight * block * pb + block * 4  # gathered weights + fp32 RS input
 
 
-def estimate(s: MemorySetup) -> MemoryEstimate:
-    counts = param_counts(s.model_args, s.model_name)
+def estimate(s: MemorySetup, counts: dict[str, int] | None = None) -> MemoryEstimate:
+    """`counts` (param_counts of the same model) saves rebuilding the meta model per call."""
+    counts = counts or param_counts(s.model_args, s.model_name)
     local = _local_params(counts, s)
     frag = DEFAULT_CUDA_FRAGMENTATION if s.device == "cuda" else 1.0
     est = MemoryEstimate(num_params=counts["total"])

@@ -2,7 +2,6 @@
 layer-count flavors, the no-GPU exit, and (slow) the estimate and the debug stage end to end
 through scripts/gpu_check.sh --cpu-smoke. Its pass rules and table: test_gpu_check_report.py."""
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -13,7 +12,6 @@ import pytest
 from conftest import REPO
 
 from titanlite.config_parse import parse_args
-from titanlite.models.llama import args as llama_args
 
 
 def load_gpu_check():
@@ -65,22 +63,6 @@ def test_runs_that_cannot_run_here_skip(tmp_path):
     assert gc.skip_reason(gc.Run("plain", ()), GPU) == ""
 
 
-def test_layer_flavor_entry_adds_the_flavor_for_its_process_only(tmp_path, monkeypatch, capsys):
-    """--_run gives "<flavor>_<N>L" the flavor's shape with N layers, without editing args.py."""
-    flavors = dict(llama_args.LLAMA3_FLAVORS)
-    monkeypatch.setattr(llama_args, "LLAMA3_FLAVORS", flavors)
-    monkeypatch.setattr(sys, "argv", sys.argv)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    script = tmp_path / "show.py"
-    script.write_text(
-        "import sys\nfrom titanlite.models.llama.args import LLAMA3_FLAVORS\n"
-        "print(sys.argv[1:], LLAMA3_FLAVORS['8B_4L'].n_layers, LLAMA3_FLAVORS['8B_4L'].dim)\n"
-    )
-    gc.run_entry([str(script), "--model.flavor", "8B_4L"])
-    assert capsys.readouterr().out == "['--model.flavor', '8B_4L'] 4 4096\n"
-    assert flavors["8B_4L"] == dataclasses.replace(flavors["8B"], n_layers=4)
-
-
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(capsys, tmp_path):
     cpu = {"torch": "2.13.0+cpu", "ngpu": 0, "device": "cpu", "memory_gib": 0.0, "sm": [0, 0],
            "torchao": False}  # fmt: skip
@@ -119,8 +101,8 @@ def test_cpu_smoke_runs_the_debug_stage_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_estimate_runs_estimate_memory_with_the_runs_flags(tmp_path):
-    """Through the --_run entry, so a layer-count flavor works there too: 8B_4L, 4 layers of
-    8B's shape, against 8B_8L (the tiny CPU-smoke vocabulary and sequence, on the CPU)."""
+    """A layer-count flavor there too: 8B_4L, 4 layers of 8B's shape, against 8B_8L (the tiny
+    CPU-smoke vocabulary and sequence, on the CPU)."""
     four, eight = (
         gc.estimate(gc.Run(n, ("--model.flavor", n), estimate=True), tmp_path, CPU_SMOKE, 300)
         for n in ("8B_4L", "8B_8L")

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titanlite.config import ConfigError
 from titanlite.models.llama import model as model_module
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs, get_model_args, pad_vocab
 from titanlite.models.llama.model import (
@@ -398,3 +399,13 @@ def test_flex_attn_flavor_is_document_masking():
     assert args.document_masking and args.dim == LLAMA3_FLAVORS["debugmodel"].dim
     with pytest.raises(ValueError, match="needs the tokenizer's bos_id and eos_id"):
         get_model_args("debugmodel_flex_attn", VOCAB, 64)
+
+
+def test_a_flavor_with_fewer_blocks_keeps_the_block_shape():
+    """ "8B_4L": 8B's blocks, four of them (a big model's block shape on one GPU)."""
+    four = get_model_args("8B_4L", vocab_size=1024, max_seq_len=64)
+    assert four == get_model_args("8B", vocab_size=1024, max_seq_len=64, n_layers=4)
+    assert LLAMA3_FLAVORS["8B"].n_layers == 32  # the table is not touched
+    assert get_model_args("1B_2L_flex_attn", 1024, 64, bos_id=1, eos_id=2).n_layers == 2
+    with pytest.raises(ConfigError, match="_<N>L"):
+        get_model_args("9B_4L", vocab_size=1024, max_seq_len=64)

@@ -1,5 +1,6 @@
 """Llama 3 hyperparameters and the flavor table (data, not code)."""
 
+import re
 from dataclasses import dataclass, replace
 
 from titanlite.config import ConfigError
@@ -109,6 +110,8 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
 
 # torchtitan's name for a flavor with document masking (it uses flex attention for it).
 DOCUMENT_MASKING_SUFFIX = "_flex_attn"
+# "8B_4L": the 8B flavor's blocks, 4 of them (a big model's block shape on one GPU).
+_FEWER_LAYERS = re.compile(r"^(?P<base>.+)_(?P<layers>[1-9][0-9]*)L$")
 
 
 def get_model_args(
@@ -117,17 +120,21 @@ def get_model_args(
     """The flavor's ModelArgs with the run's vocab and sequence length (and `overrides`).
 
     use_scaled_rope=True turns scaling on; flavors trained with it (1B, 3B) keep it regardless.
-    A flavor named with the suffix "_flex_attn" is the base flavor with document masking.
+    A flavor named with the suffix "_flex_attn" is the base flavor with document masking; one
+    named "<flavor>_<N>L" (8B_4L) has N of the base flavor's blocks.
     """
     name = flavor.removesuffix(DOCUMENT_MASKING_SUFFIX)
+    if name != flavor:
+        overrides["document_masking"] = True
+    fewer = _FEWER_LAYERS.match(name)
+    if fewer and fewer["base"] in LLAMA3_FLAVORS:
+        name, overrides["n_layers"] = fewer["base"], int(fewer["layers"])
     if name not in LLAMA3_FLAVORS:
         raise ConfigError(
             f"unknown model flavor {flavor!r}; available: {', '.join(LLAMA3_FLAVORS)}, each also "
-            f"with {DOCUMENT_MASKING_SUFFIX} (document masking)"
+            f"with {DOCUMENT_MASKING_SUFFIX} (document masking) or _<N>L (N of its blocks)"
         )
     base = LLAMA3_FLAVORS[name]
-    if name != flavor:
-        overrides["document_masking"] = True
     return replace(
         base,
         vocab_size=vocab_size,

@@ -1,0 +1,87 @@
+"""python -m titanlite.plan as a user runs it: the table, JSON, the written config, --predict,
+--calibrate, and bad input as one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanlite.config_parse import parse_args
+from titanlite.plan.__main__ import main
+from titanlite.plan.shape import layout_of
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG = ["--job.config_file", "debug_model.toml", "--training.seq_len", "2048", "--no_float8"]
+H200_RUNS = Path(__file__).parent / "data" / "h200"
+
+
+def plan(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_write_gives_a_config_that_the_dry_run_builds_at_its_world_size(capsys, tmp_path):
+    best = tmp_path / "best.toml"
+    rc, out, _ = plan(capsys, *DEBUG, "--gpus", "8", "--write", str(best), "--top", "3")
+    assert rc == 0, out
+    assert "checked by the dry run at world 8: the best 1" in out and f"wrote {best}" in out
+    first = out.splitlines()[4]  # the header's 3 lines, the column names, then row 1
+    layout = layout_of(parse_args(["--job.config_file", str(best)]), 8)
+    assert first.split()[1] == layout.describe().split()[0]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--job.config_file", str(best), "--comm.mode",
+         "fake_backend", "--comm.fake_world_size", "8", "--job.dump_folder", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "dry_run.json").read_text())["world_size"] == 8
+
+
+def test_json_rows_carry_flags_speed_memory_and_the_time_split(capsys):
+    rc, out, _ = plan(capsys, *DEBUG, "--gpus", "4", "--json", "--top", "5", "--check", "0")
+    rows = json.loads(out)
+    assert rc == 0 and len(rows) == 5
+    for row in rows:
+        assert {"flags", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "split_s"} <= set(row)
+        assert "--parallelism.tensor_parallel_degree" in row["flags"]
+        assert sum(row["split_s"].values()) == pytest.approx(row["step_s"], rel=1e-3)
+    speeds = [r["tokens_per_s_per_gpu"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_predict_and_explain_show_the_configs_own_layout(capsys):
+    rc, out, _ = plan(capsys, "--job.config_file", "llama_8b.toml", "--gpus", "8", "--predict",
+                      "--parallelism.tensor_parallel_degree", "2")  # fmt: skip
+    assert rc == 0 and "tp 2 x fsdp 4" in out
+    assert "train.py flags:" in out and "step = compute" in out and "block_tp_s" in out
+
+
+def test_calibrated_constants_are_used_by_the_next_plan(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TITANLITE_PLAN_DIR", str(tmp_path))
+    runs = [str(p) for p in sorted(H200_RUNS.glob("cal_1B*"))]
+    rc, out, _ = plan(capsys, "--device", "h200", "--vocab_size", "100352", "--calibrate", *runs)
+    assert rc == 0 and f"saved to {tmp_path / 'h200.json'}" in out
+    assert out.count("%") == len(runs)  # one error column per run
+    rc, out, _ = plan(capsys, *DEBUG, "--gpus", "2", "--device", "h200", "--check", "0")
+    assert rc == 0 and f"constants: fitted on {len(runs)} runs" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "h100"], "unknown device 'h100'; known: h100-sxm"),
+    (["--gpus", "0"], "--gpus and --gpus_per_node must be >= 1"),
+    (["--global_batch_tokens", "1000"], "is not a multiple of training.seq_len 2048"),
+    (["--explain", "100000", "--check", "0"], "--explain 100000: rows are 1.."),
+    (["--training.seq_lenn", "8"], "did you mean --training.seq_len"),
+])  # fmt: skip
+def test_bad_input_is_one_line(capsys, argv, message):
+    rc, _, err = plan(capsys, *DEBUG, *argv)
+    assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_a_model_that_fits_nowhere_names_the_smallest_cluster(capsys):
+    rc, _, err = plan(capsys, "--job.config_file", "llama_405b.toml", "--gpus", "16")
+    assert rc == 2 and "no layout of 405B fits 16 x h100-sxm" in err
+    assert "out of memory" in err and "the smallest cluster where one does: 128 GPUs" in err

@@ -1,0 +1,76 @@
+"""The search: layouts checked as training checks them, ranked, written as train.py options."""
+
+import pytest
+
+from titanlite.config_parse import parse_args
+from titanlite.plan.devices import get_device
+from titanlite.plan.perf import Constants, Layout
+from titanlite.plan.search import Choices, Cluster, flags, memory_gib, search, smallest_cluster
+from titanlite.plan.shape import LLAMA3_VOCAB, layout_of, model_of
+
+H100 = get_device("h100-sxm")
+
+
+def model(flavor: str, seq_len: int = 8192, *extra: str):
+    cfg = parse_args(["--job.config_file", "train_configs/llama_8b.toml",
+                      "--model.flavor", flavor, *extra])  # fmt: skip
+    return model_of(cfg, LLAMA3_VOCAB, seq_len)
+
+
+def test_8b_on_a_node_ranked_fastest_first_and_every_row_fits():
+    plan = search(model("8B"), Cluster(8, 8, H100), 16, Constants())
+    speeds = [c.prediction.tokens_per_s_per_gpu for c in plan.fits]
+    assert plan.fits and speeds == sorted(speeds, reverse=True)
+    assert all(c.memory_gib <= H100.memory_gib - 3 for c in plan.fits)
+    assert all(c.layout.world == 8 and c.layout.global_batch == 16 for c in plan.fits)
+    assert plan.rejected["out of memory"] > 0  # no AC with the plain loss at 2 x 8192 does not fit
+
+
+def test_rejections_name_their_reasons():
+    plan = search(model("8B"), Cluster(16, 8, H100), 6, Constants())
+    why = plan.rejected
+    assert why["TP does not divide the heads"] == 0  # 8B has 8 kv heads: tp 1-8 all divide
+    assert why["global batch not divisible by the data-parallel degree"] > 0  # 6 over dp 4, 8, 16
+    assert why["pipeline x context parallelism not supported yet"] > 0
+    odd = search(model("8B", 8190), Cluster(8, 8, H100), 8, Constants())
+    assert odd.rejected["CP does not divide the sequence"] > 0
+    assert all(c.layout.cp == 1 for c in odd.fits)
+
+
+def test_a_layout_that_needs_more_microbatches_than_it_has_is_rejected():
+    plan = search(model("8B"), Cluster(8, 8, H100), 1, Constants(), Choices(ac=("full",)))
+    assert plan.rejected["too few microbatches for the schedule"] > 0
+    assert not any(c.layout.pp > 1 for c in plan.fits)
+
+
+def test_float8_only_where_the_device_has_it():
+    a100 = get_device("a100-80gb")
+    plan = search(model("1B"), Cluster(8, 8, a100), 8, Constants())
+    assert plan.fits and not any(c.layout.float8 for c in plan.fits)
+
+
+def test_405b_fits_no_node_and_the_smallest_cluster_is_named():
+    m = model("405B")
+    assert not search(m, Cluster(8, 8, H100), 8, Constants()).fits
+    need = smallest_cluster(m, Cluster(8, 8, H100), 8, Constants())
+    assert need in (64, 128, 256)  # 405 B params x 16 bytes over 80 GiB GPUs: at least 76
+    assert search(m, Cluster(need, 8, H100), need, Constants(), Choices(
+        ac=("full",), chunk_tokens=(2048,), float8=(False,))).fits  # fmt: skip
+
+
+@pytest.mark.parametrize("lo", [
+    Layout(tp=2, dp_shard=4, local_batch_size=2, accumulation=2, ac="full", chunk_tokens=2048),
+    Layout(pp=2, dp_replicate=2, dp_shard=2, schedule="Interleaved1F1B", local_batch_size=4,
+           ac="none", float8=True, compile=False),
+    Layout(cp=2, dp_shard=4, ac="selective"),
+])  # fmt: skip
+def test_flags_are_the_layout_as_train_py_reads_it(lo):
+    cfg = parse_args(["--job.config_file", "train_configs/llama_8b.toml", *flags(lo)])
+    assert layout_of(cfg, lo.world) == lo
+
+
+def test_memory_of_the_fullest_pipeline_rank():
+    m = model("8B")
+    one = memory_gib(m, Layout(dp_shard=8, ac="full", chunk_tokens=2048))
+    pp = memory_gib(m, Layout(pp=2, dp_shard=4, local_batch_size=2, ac="full", chunk_tokens=2048))
+    assert 0 < one < pp  # half the blocks, but unsharded under PP and 2 microbatches in flight

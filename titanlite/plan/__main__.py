@@ -1,0 +1,186 @@
+"""plan: the fastest layouts of a job on a cluster, predicted; or one layout's figures; or the
+model's constants fitted to finished runs.
+
+    python -m titanlite.plan --job.config_file llama_8b.toml --gpus 64 --device h100-sxm
+    python -m titanlite.plan --job.config_file llama_8b.toml --gpus 8 --write best.toml
+    python -m titanlite.plan --job.config_file llama_8b.toml --gpus 8 --predict
+    python -m titanlite.plan --device h200 --calibrate outputs/run_a outputs/run_b ...
+
+Every train.py option is accepted and read as train.py reads it (the model, seq_len, the global
+batch: training.global_batch_size, else what the config's own layout gives on --gpus ranks).
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from titanlite.checks import resolve_global_batch
+from titanlite.config import ConfigError
+from titanlite.config_parse import dump_toml, parse_args
+from titanlite.parallel_dims import ParallelDims
+from titanlite.plan import calibrate
+from titanlite.plan.check import dry_run
+from titanlite.plan.devices import DEVICES, OVERRIDES, get_device
+from titanlite.plan.perf import predict
+from titanlite.plan.report import explain, header, rejections, summary, table
+from titanlite.plan.search import (
+    DEFAULT_RESERVE_GIB,
+    Candidate,
+    Choices,
+    Cluster,
+    flags,
+    memory_gib,
+    search,
+    smallest_cluster,
+)
+from titanlite.plan.shape import layout_of, model_of, vocab_size_of
+
+
+def options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan", allow_abbrev=False, description=__doc__.split("\n")[0])
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in the cluster")
+    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (NVLink domain)")
+    p.add_argument("--device", default="h100-sxm", help=f"one of {', '.join(DEVICES)}")
+    for name in OVERRIDES:
+        p.add_argument(f"--{name}", type=float, help=f"override the device's {name}")
+    p.add_argument(
+        "--reserve_gib",
+        type=float,
+        default=DEFAULT_RESERVE_GIB,
+        help="memory per GPU left for the CUDA context and NCCL, outside the estimate",
+    )
+    p.add_argument("--global_batch_tokens", type=int, help="tokens per step (default: config's)")
+    p.add_argument("--vocab_size", type=int, help="padded vocab (default: the tokenizer's)")
+    p.add_argument("--top", type=int, default=10, help="rows shown")
+    p.add_argument("--no_float8", action="store_true", help="plan without float8 linears")
+    p.add_argument("--json", action="store_true", help="the rows as JSON")
+    p.add_argument("--explain", type=int, metavar="N", help="the arithmetic behind row N")
+    p.add_argument("--write", metavar="TOML", help="the best layout as a config train.py runs")
+    p.add_argument("--check", type=int, default=1, metavar="K",
+                   help="rebuild the best K layouts by the dry run (0: estimate only)")  # fmt: skip
+    p.add_argument("--predict", action="store_true", help="the config's own layout's figures")
+    p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
+                   help="fit the device's constants to these runs and save them")  # fmt: skip
+    p.add_argument("--calibration", help="constants file (default: the device's saved fit)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = options().parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(args, rest)
+    except ConfigError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args, rest: list[str]) -> int:
+    overrides = {k: getattr(args, k) for k in OVERRIDES}
+    device = get_device(args.device, **overrides)
+    if args.gpus < 1 or args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus and --gpus_per_node must be >= 1, got {args.gpus}, "
+                          f"{args.gpus_per_node}")  # fmt: skip
+    cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), device, args.reserve_gib)
+    path = args.calibration and calibrate.Path(args.calibration)
+    if args.calibrate:
+        return run_calibrate(args, device, path)
+    constants = calibrate.load(args.device, path)
+    cfg = parse_args(rest)
+    vocab, missing = (args.vocab_size, "") if args.vocab_size else vocab_size_of(cfg)
+    model = model_of(cfg, vocab)
+    if args.predict:
+        lo = layout_of(cfg, args.gpus)
+        found = Candidate(lo, predict(model.shape, lo, device, cluster.gpus_per_node, constants),
+                          memory_gib(model, lo))  # fmt: skip
+        print(header(cfg, model, cluster, lo.global_batch, constants))
+        print(table([found]) if not args.json else json.dumps([row_json(found)], indent=1))
+        print(explain(found))
+        return 0
+    batch = global_batch(cfg, args)
+    choices = Choices(float8=(False,) if args.no_float8 else (False, True),
+                      compile=cfg.compile.enable)  # fmt: skip
+    plan = search(model, cluster, batch, constants, choices)
+    if not plan.fits:
+        need = smallest_cluster(model, cluster, batch, constants)
+        where = f"the smallest cluster where one does: {need} GPUs" if need else "none up to 16,384"
+        raise ConfigError(f"no layout of {cfg.model.flavor} fits {args.gpus} x {args.device} "
+                          f"(rejected: {rejections(plan)}); {where}")  # fmt: skip
+    dropped, note = checked(plan, rest, 0 if missing else args.check)
+    if args.json:
+        print(json.dumps([row_json(c) for c in plan.fits[: args.top]], indent=1))
+        return 0
+    print(header(cfg, model, cluster, batch, constants))
+    print(table(plan.fits[: args.top]))
+    print(summary(plan))
+    print(note or f"not checked by the dry run: {missing}")
+    for c, why in dropped:
+        print(f"dropped {c.layout.describe()}: {why}")
+    if args.explain:
+        if not 1 <= args.explain <= len(plan.fits):
+            raise ConfigError(f"--explain {args.explain}: rows are 1..{len(plan.fits)}")
+        print(explain(plan.fits[args.explain - 1]))
+    if args.write:
+        best = parse_args([*rest, *flags(plan.fits[0].layout)])
+        dump_toml(best, args.write)
+        print(f"wrote {args.write}: train.py --job.config_file {args.write} on {args.gpus} GPUs")
+    return 0
+
+
+def checked(plan, config_argv: list[str], k: int) -> tuple[list, str]:
+    """Dry-run the best layouts until `k` build (trying at most k + 2): drop those that do not,
+    with their errors. Returns (dropped, what was checked)."""
+    if k == 0:
+        return [], ""
+    dropped, passed = [], 0
+    for c in list(plan.fits[: k + 2]):
+        why = dry_run(config_argv, c)
+        if why:
+            plan.fits.remove(c)
+            dropped.append((c, why))
+        elif (passed := passed + 1) == k:
+            break
+    if not passed:
+        raise ConfigError(f"the dry run failed on each of the {len(dropped)} best layouts (last: "
+                          f"{dropped[-1][1]}); fix the config, or plan with --check 0")  # fmt: skip
+    world = plan.fits[0].layout.world
+    return dropped, f"checked by the dry run at world {world}: the best {passed}"
+
+
+def global_batch(cfg, args) -> int:
+    """Sequences per step: --global_batch_tokens, else what the config runs on --gpus ranks."""
+    seq = cfg.training.seq_len
+    if args.global_batch_tokens:
+        if args.global_batch_tokens % seq:
+            raise ConfigError(f"--global_batch_tokens {args.global_batch_tokens} is not a "
+                              f"multiple of training.seq_len {seq}")  # fmt: skip
+        return args.global_batch_tokens // seq
+    pd = ParallelDims.from_config(cfg.parallelism, args.gpus)
+    return resolve_global_batch(cfg.training, pd.dp_degree)[0]
+
+
+def row_json(c: Candidate) -> dict:
+    p = c.prediction
+    mfu = None if c.layout.float8 else round(p.mfu, 4)  # as train.py: no bf16 MFU for float8
+    return {"flags": flags(c.layout), "layout": c.layout.describe(),
+            "tokens_per_s_per_gpu": round(p.tokens_per_s_per_gpu, 1), "mfu": mfu,
+            "step_s": round(p.step_s, 4), "peak_memory_gib": round(c.memory_gib, 2),
+            "split_s": {k: round(v, 4) for k, v in p.split.items()}}  # fmt: skip
+
+
+def run_calibrate(args, device, path) -> int:
+    runs = [calibrate.read_run(d, args.vocab_size) for d in args.calibrate]
+    runs = [replace(r, gpus_per_node=args.gpus_per_node) for r in runs]
+    fitted = calibrate.fit(runs, device)
+    saved = calibrate.save(fitted, args.device, runs, path)
+    print(f"{'run':<40}{'measured':>10}{'predicted':>11}{'error':>8}")
+    for r in runs:
+        pred = calibrate.predicted_tps(r, device, fitted)
+        print(f"{r.folder:<40}{r.tokens_per_s:>10,.0f}{pred:>11,.0f}"
+              f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%")  # fmt: skip
+    print(f"constants: {fitted}\nsaved to {saved} (plans for --device {args.device} read it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

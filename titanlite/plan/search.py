@@ -1,0 +1,192 @@
+"""Every layout of a model on a cluster: checked as training checks it, its memory from the
+estimator, its step time from the model in perf.py; ranked by tokens/s per GPU."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import product
+
+from titanlite.config import ConfigError
+from titanlite.memory_estimate import GIB, MemorySetup, estimate
+from titanlite.parallel_dims import ParallelDims
+from titanlite.plan.devices import Device
+from titanlite.plan.perf import Constants, Layout, Prediction, pipeline_options, predict
+from titanlite.plan.shape import Model
+
+# The CUDA context and NCCL's buffers live outside the caching allocator that the estimate
+# describes; this is room left for them, an allowance rather than a measured figure.
+DEFAULT_RESERVE_GIB = 3.0
+SCHEDULES = ("1F1B", "Interleaved1F1B")
+CHUNK_TOKENS = 2048  # llama_8b.toml's; the loss's memory is flat in it beyond ~1k tokens
+MAX_LOCAL_BATCH = 16
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    device: Device
+    reserve_gib: float = DEFAULT_RESERVE_GIB
+
+    @property
+    def usable_gib(self) -> float:
+        return self.device.memory_gib - self.reserve_gib
+
+
+@dataclass(frozen=True)
+class Choices:
+    """Which switches the search may turn (the user can pin any of them)."""
+
+    ac: tuple[str, ...] = ("none", "selective", "full")
+    chunk_tokens: tuple[int, ...] = (0, CHUNK_TOKENS)
+    float8: tuple[bool, ...] = (False, True)
+    compile: bool = True
+    schedules: tuple[str, ...] = SCHEDULES
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    prediction: Prediction
+    memory_gib: float  # the estimated peak of the layout's fullest pipeline rank
+
+
+@dataclass
+class Plan:
+    fits: list[Candidate] = field(default_factory=list)  # best first
+    rejected: Counter = field(default_factory=Counter)  # reason -> layouts
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def memory_gib(model: Model, lo: Layout, device: str = "cuda") -> float:
+    """The estimator's peak of the fullest pipeline rank (the first holds the most microbatches
+    in flight, the last the loss)."""
+    setup = MemorySetup(
+        model_args=model.args, model_name=model.name, local_batch_size=lo.local_batch_size,
+        seq_len=model.shape.seq_len, dp_replicate=lo.dp_replicate, dp_shard=lo.dp_shard,
+        tp=lo.tp, cp=lo.cp, ac_mode=lo.ac, chunk_tokens=lo.chunk_tokens, loss_parallel=lo.tp > 1,
+        pp=lo.pp, pp_options=pipeline_options(lo), device=device,
+    )  # fmt: skip
+    ranks = {0, lo.pp - 1}
+    return max(estimate(_rank(setup, r), model.counts).total for r in ranks) / GIB
+
+
+def _rank(setup: MemorySetup, rank: int) -> MemorySetup:
+    setup.pp_rank = rank
+    return setup
+
+
+def degrees(model: Model, cluster: Cluster, plan: Plan):
+    """(tp, cp, pp) triples the model's shapes allow on the cluster; the others counted."""
+    n, node = cluster.gpus, cluster.gpus_per_node
+    for tp in powers_of_two(min(node, n)):
+        for cp in powers_of_two(n // tp):
+            for pp in divisors(n // (tp * cp)):
+                try:
+                    ParallelDims(1, n // (tp * cp * pp), tp, n, cp, pp).validate_model(model.args)
+                except ConfigError as e:
+                    plan.rejected[_reason(e)] += 1
+                    continue
+                if pp > 1 and 2 * pp > model.shape.n_layers:
+                    plan.rejected["fewer than 2 layers per pipeline stage"] += 1
+                    continue
+                yield tp, cp, pp
+
+
+def _reason(e: ConfigError) -> str:
+    """A rejection's kind: the error's first clause (its numbers vary, the kind does not)."""
+    text = str(e)
+    for words, kind in (("must divide both n_heads", "TP does not divide the heads"),
+                        ("must divide the model", "TP does not divide dim or ffn dim"),
+                        ("seq_len", "CP does not divide the sequence"),
+                        ("pipeline parallelism does not work with context parallelism",
+                         "pipeline x context parallelism not supported yet"),
+                        ("microbatches per step", "too few microbatches for the schedule"),
+                        ("stages per rank", "schedule does not fit the layer split")):  # fmt: skip
+        if words in text:
+            return kind
+    return text.split(";")[0]
+
+
+def search(model: Model, cluster: Cluster, global_batch: int, c: Constants,
+           choices: Choices = Choices()) -> Plan:  # fmt: skip
+    """Every layout of `global_batch` sequences on the cluster, fitting ones ranked."""
+    plan = Plan()
+    float8 = [f for f in choices.float8 if not f or cluster.device.fp8_tflops > 0]
+    for tp, cp, pp in degrees(model, cluster, plan):
+        dp = cluster.gpus // (tp * cp * pp)
+        if global_batch % dp:
+            plan.rejected["global batch not divisible by the data-parallel degree"] += 1
+            continue
+        rows = global_batch // dp
+        batches = [b for b in divisors(rows) if b <= MAX_LOCAL_BATCH or pp > 1]
+        schedules = choices.schedules if pp > 1 else ("1F1B",)
+        for rep, lbs, schedule, ac, chunk, f8 in product(
+            divisors(dp), batches, schedules, choices.ac, choices.chunk_tokens, float8
+        ):
+            lo = Layout(tp=tp, cp=cp, pp=pp, dp_replicate=rep, dp_shard=dp // rep,
+                        schedule=schedule, local_batch_size=lbs, accumulation=rows // lbs, ac=ac,
+                        chunk_tokens=chunk, float8=f8, compile=choices.compile)  # fmt: skip
+            _consider(model, cluster, lo, c, plan)
+    plan.fits.sort(key=lambda x: (-x.prediction.tokens_per_s_per_gpu, x.memory_gib))
+    return plan
+
+
+def _consider(model: Model, cluster: Cluster, lo: Layout, c: Constants, plan: Plan) -> None:
+    try:
+        prediction = predict(model.shape, lo, cluster.device, cluster.gpus_per_node, c)
+        mem = memory_gib(model, lo)
+    except ConfigError as e:
+        plan.rejected[_reason(e)] += 1
+        return
+    if mem > cluster.usable_gib:
+        plan.rejected["out of memory"] += 1
+        return
+    plan.fits.append(Candidate(lo, prediction, mem))
+
+
+FRUGAL = Choices(ac=("full",), chunk_tokens=(CHUNK_TOKENS,), float8=(False,))
+
+
+def smallest_cluster(model: Model, cluster: Cluster, global_batch: int, c: Constants) -> int:
+    """The fewest GPUs (whole nodes, doubling) on which the most frugal layouts fit; 0 if none
+    up to 16,384."""
+    gpus = cluster.gpus_per_node
+    while gpus <= 16384:
+        trial = Cluster(gpus, cluster.gpus_per_node, cluster.device, cluster.reserve_gib)
+        batch = max(global_batch, gpus)  # at least one sequence per rank
+        batch = -(-batch // gpus) * gpus
+        if search(model, trial, batch, c, FRUGAL).fits:
+            return gpus
+        gpus *= 2
+    return 0
+
+
+def flags(lo: Layout) -> list[str]:
+    """The layout as train.py options, `--section.key value` pairs."""
+    out = {
+        "parallelism.data_parallel_replicate_degree": lo.dp_replicate,
+        "parallelism.data_parallel_shard_degree": lo.dp_shard,
+        "parallelism.tensor_parallel_degree": lo.tp,
+        "parallelism.context_parallel_degree": lo.cp,
+        "parallelism.pipeline_parallel_degree": lo.pp,
+        "parallelism.pipeline_parallel_schedule": lo.schedule,
+        "parallelism.pipeline_parallel_microbatch_size": lo.pp_microbatch_size,
+        "training.local_batch_size": lo.local_batch_size,
+        "training.global_batch_size": lo.global_batch,
+        "activation_checkpoint.mode": lo.ac,
+        "activation_checkpoint.selective_ac_option": "op",
+        "loss.chunk_tokens": lo.chunk_tokens,
+    }
+    argv = [a for k, v in out.items() for a in (f"--{k}", str(v))]
+    argv.append("--compile.enable" if lo.compile else "--no-compile.enable")
+    argv += ["--model.converters", "quantize.linear.float8" if lo.float8 else ""]
+    if lo.float8 and lo.dp_shard * lo.cp > 1:
+        argv.append("--quantize.linear.float8.enable_fsdp_float8_all_gather")
+    return argv
