@@ -60,6 +60,7 @@ from titanlite.metrics import (
 from titanlite.models import get_family
 from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
 from titanlite.parallel_dims import loss_parallel_ctx
+from titanlite.plan.run import plan_layout, prediction
 from titanlite.precision import apply_tf32, resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -158,6 +159,8 @@ class Trainer:
         self.cfg = cfg
         t, ckpt = cfg.training, cfg.checkpoint
         self.rank, _, self.world_size, self.device = dist_env
+        if cfg.parallelism.plan == "auto":
+            plan_layout(cfg, self.world_size, self.device)
         job = check_job(cfg, self.world_size)
         # Not in the dry run, whose CPU plays the GPUs.
         check_float8_device(cfg, self.device)
@@ -166,6 +169,8 @@ class Trainer:
         check_output_folders(cfg)
         pd = self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
+        # Logged with the first step's metrics, so that plan --calibrate can set it beside them.
+        self.prediction = prediction(cfg, self.world_size, self.model_args, self.device)
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
         load_plan = plan_load(ckpt, cfg.job.dump_folder)
         pd.build_mesh(self.device.type)
@@ -381,6 +386,8 @@ class Trainer:
             elapsed_s=self.state.elapsed_s,
             tokens_seen=self.state.tokens_seen,
         )
+        values.update(self.prediction)
+        self.prediction = {}
         step_s, data_s = window.seconds / window.steps, window.data_seconds / window.steps
         values.update(self.slow_ranks.report(step_s, data_s, out.optimizer_seconds))
         if out.block_norms is not None:  # one read for them all

@@ -179,6 +179,15 @@ class Parallelism:
         "Free gathered params after forward (default: all blocks but the last; none under PP)",
         choices=("default", "always", "never"),
     )
+    plan: str = opt(
+        "off",
+        "auto: the planner picks degrees, batch split, AC and chunked loss for the world the job "
+        "finds (needs training.global_batch_size); off: the options below",
+        choices=("off", "auto"),
+    )
+    plan_device: str = opt(
+        "", "GPU kind that plan auto plans for, from titanlite/plan/devices.py (default: this GPU)"
+    )
     pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree: ranks each running stages")
     pipeline_parallel_schedule: str = opt(
         "1F1B", "Pipeline schedule (torch.distributed.pipelining name), e.g. GPipe, Interleaved1F1B"

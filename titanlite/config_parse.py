@@ -239,6 +239,13 @@ def parse_args(argv: list[str]) -> JobConfig:
     return cfg
 
 
+def apply_options(cfg: JobConfig, argv: list[str]) -> None:
+    """Set `--section.key value` options on a parsed config, checked as on the command line."""
+    for name, value in _parse_cli(argv).items():
+        _set(cfg, name, value)
+    check_options(cfg)
+
+
 def format_help() -> str:
     """Every option grouped by section, with its type (or choices), default and help."""
     lines = [

@@ -32,6 +32,12 @@ _OPTIONALTB_TAGS = {
     "slow_rank_data_lag_pct": "slow_rank/data_lag_pct",  # this much of it in data loading
     "val_loss": "loss/validation",
     "val_ppl": "ppl/validation",
+    # First logged step only: what the planner predicted for this run, and what it needs to
+    # set the prediction beside the measurements (plan --calibrate).
+    "predicted_step_s": "plan/predicted_step_s",
+    "predicted_memory_gib": "plan/predicted_memory_gib",
+    "world_size": "plan/world_size",
+    "vocab_size": "plan/vocab_size",
 }
 
 

@@ -2,10 +2,10 @@
 
 A run folder is what train.py leaves in job.dump_folder: config.toml and metrics.jsonl. The
 measured figure is the median per-device tokens/s over the logged steps after the first three
-(compile and warm-up); the world size comes from the run's `plan` record (written at step 0 by
-every run), or is 1 for runs whose degrees are all 1. The fit minimizes the squared log error of
-the predicted step times, with a weak pull towards the defaults so that a constant the runs say
-nothing about (no float8 run: its speedup) stays where it was.
+(compile and warm-up); the world size and vocab come from the first logged step, where every
+run writes them with its predictions (runs from before then: world 1, --vocab_size). The fit
+minimizes the squared log error of the predicted step times, with a weak pull towards the
+defaults so that a constant the runs say nothing about (no float8 run: its speedup) stays.
 """
 
 import json
@@ -44,13 +44,15 @@ def read_run(folder: str | Path, vocab_size: int | None = None) -> Run:
             raise ConfigError(f"{folder}: no {f.name}; give run folders that train.py wrote")
     cfg = parse_args(["--job.config_file", str(config)])
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    plan = next((r["plan"] for r in records if "plan" in r), None)
-    steps = [r for r in records if r.get("wps") is not None]
+    # A resumed run appends to the same file: its own records start at its last plan record.
+    starts = [i for i, r in enumerate(records) if r.get("world_size")]
+    plan = records[starts[-1]] if starts else None
+    steps = [r for r in records[starts[-1] if starts else 0 :] if r.get("wps") is not None]
     if len(steps) <= SKIPPED_STEPS:
         raise ConfigError(f"{folder}: {len(steps)} logged steps; calibration needs more than "
                           f"{SKIPPED_STEPS} (the first ones compile and warm up)")  # fmt: skip
-    world = plan["world_size"] if plan else 1
-    vocab = plan["vocab_size"] if plan else vocab_size
+    world = int(plan["world_size"]) if plan else 1
+    vocab = int(plan["vocab_size"]) if plan else vocab_size
     if vocab is None:
         raise ConfigError(f"{folder}: no plan record in metrics.jsonl; pass --vocab_size")
     tps = statistics.median(r["wps"] for r in steps[SKIPPED_STEPS:])

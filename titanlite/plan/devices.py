@@ -45,6 +45,18 @@ DEVICES = {
     )
 }
 
+# torch.cuda.get_device_name() words -> the entry; a row matches when all its words are words of
+# the name (split on spaces and dashes), first match first: "NVIDIA H100 80GB HBM3" is h100-sxm.
+_NAMES = ((("H100", "PCIE"), "h100-pcie"), (("H100",), "h100-sxm"), (("H200",), "h200"),
+          (("A100",), "a100-80gb"), (("B200",), "b200"))  # fmt: skip
+
+
+def device_named(gpu_name: str) -> str | None:
+    """The table's entry for a GPU as torch names it, or None for one the table lacks."""
+    words = set(gpu_name.upper().replace("-", " ").split())
+    return next((entry for need, entry in _NAMES if set(need) <= words), None)
+
+
 # The Device field behind each override flag of plan.py.
 OVERRIDES = {
     "device_memory_gib": "memory_gib",

@@ -1,0 +1,77 @@
+"""The planner inside a training run: --parallelism.plan auto, and the prediction every run logs."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import TINY_TRAIN, run_train
+from titanlite.config import ConfigError
+from titanlite.config_parse import parse_args
+from titanlite.plan import calibrate
+from titanlite.plan.devices import device_named
+from titanlite.plan.run import plan_layout, prediction
+from titanlite.plan.shape import layout_of
+
+
+@pytest.mark.parametrize("name, entry", [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA B200", "b200"),
+    ("NVIDIA GH200 480GB", None), ("NVIDIA L40S", None),
+])  # fmt: skip
+def test_gpu_names_map_to_device_table_entries(name, entry):
+    assert device_named(name) == entry
+
+
+def test_plan_auto_sets_the_fastest_layout_on_the_config():
+    cfg = parse_args([*TINY_TRAIN, "--parallelism.plan", "auto", "--parallelism.plan_device",
+                      "h100-sxm", "--training.global_batch_size", "16"])  # fmt: skip
+    plan_layout(cfg, 4, torch.device("cpu"))
+    lo = layout_of(cfg, 4)
+    assert lo.world == 4 and lo.global_batch == 16
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--parallelism.plan_device", "h100-sxm", "--training.global_batch_size", "-1"],
+     "set --training.global_batch_size"),
+    (["--training.global_batch_size", "8"], "set --parallelism.plan_device"),
+    (["--training.global_batch_size", "8", "--parallelism.plan_device", "tpu"],
+     "unknown device 'tpu'"),
+])  # fmt: skip
+def test_plan_auto_refuses_what_it_cannot_plan(extra, message):
+    cfg = parse_args([*TINY_TRAIN, "--parallelism.plan", "auto", *extra])
+    with pytest.raises(ConfigError, match=message):
+        plan_layout(cfg, 2, torch.device("cpu"))
+
+
+def test_prediction_on_a_cpu_is_memory_alone_and_on_a_named_gpu_also_the_step():
+    cfg = parse_args(TINY_TRAIN)
+    from titanlite.build import model_args_for_vocab
+
+    args = model_args_for_vocab(cfg, 512)
+    cpu = prediction(cfg, 1, args, torch.device("cpu"))
+    assert cpu["world_size"] == 1 and cpu["vocab_size"] == 512
+    assert cpu["predicted_memory_gib"] > 0 and cpu["predicted_step_s"] is None
+    cfg.parallelism.plan_device = "h200"
+    assert prediction(cfg, 1, args, torch.device("cpu"))["predicted_step_s"] > 0
+
+
+@pytest.mark.slow
+def test_an_elastic_restart_replans_and_its_runs_calibrate(tmp_path):
+    """plan auto on 4 ranks, then a resume on 2: each run plans for its own world, saves the
+    layout in config.toml and logs its prediction, which --calibrate reads back."""
+    auto = [*TINY_TRAIN, "--parallelism.plan", "auto", "--parallelism.plan_device", "h100-sxm",
+            "--training.global_batch_size", "8", "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    four = run_train([*auto, "--training.steps", "2"], nproc=4)
+    assert "plan auto:" in four.stdout + four.stderr
+    assert layout_of(parse_args(["--job.config_file", str(tmp_path / "config.toml")]), 4).world == 4
+    two = run_train([*auto, "--training.steps", "8"], nproc=2)
+    assert "plan auto:" in two.stdout and "step-2" in two.stdout.split("Loaded model")[1]
+    saved = parse_args(["--job.config_file", str(tmp_path / "config.toml")])
+    assert layout_of(saved, 2).world == 2 and layout_of(saved, 2).global_batch == 8
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r.get("world_size") for r in records] == [4, None, 2] + [None] * 5
+    run = calibrate.read_run(tmp_path)  # the last run's world and vocab, from its first step
+    assert run.layout == layout_of(saved, 2) and run.model.shape.vocab == records[2]["vocab_size"]
