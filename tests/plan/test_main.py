@@ -81,7 +81,22 @@ def test_bad_input_is_one_line(capsys, argv, message):
     assert rc == 2 and message in err and err.count("\n") == 1
 
 
+def test_a_gpu_count_no_layout_divides_names_the_smallest_cluster(capsys):
+    rc, _, err = plan(capsys, *DEBUG, "--gpus", "3", "--global_batch_tokens", "4096")
+    assert rc == 2 and "global batch not divisible by the data-parallel degree" in err
+    assert "too few microbatches for the schedule" in err  # pp 3 with 2 sequences
+    assert "the smallest cluster where one does: 1 GPU" in err
+
+
 def test_a_model_that_fits_nowhere_names_the_smallest_cluster(capsys):
     rc, _, err = plan(capsys, "--job.config_file", "llama_405b.toml", "--gpus", "16")
-    assert rc == 2 and "no layout of 405B fits 16 x h100-sxm" in err
+    assert rc == 2 and "no layout of 405B with global batch 4 fits 16 x h100-sxm" in err
     assert "out of memory" in err and "the smallest cluster where one does: 128 GPUs" in err
+
+
+def test_compare_prints_measured_beside_predicted_without_fitting(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TITANLITE_PLAN_DIR", str(tmp_path))
+    runs = sorted(str(p) for p in H200_RUNS.glob("b_*"))
+    rc, out, _ = plan(capsys, "--device", "h200", "--vocab_size", "100352", "--compare", *runs)
+    assert rc == 0 and out.count("%") == len(runs) == 5
+    assert "b_8B6L_4k_b2_sac" in out and not list(tmp_path.iterdir())  # nothing saved

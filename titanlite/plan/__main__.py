@@ -62,6 +62,8 @@ def options() -> argparse.ArgumentParser:
     p.add_argument("--predict", action="store_true", help="the config's own layout's figures")
     p.add_argument("--calibrate", nargs="+", metavar="RUN_DIR",
                    help="fit the device's constants to these runs and save them")  # fmt: skip
+    p.add_argument("--compare", nargs="+", metavar="RUN_DIR",
+                   help="these runs' measured tokens/s beside the prediction (no fit)")  # fmt: skip
     p.add_argument("--calibration", help="constants file (default: the device's saved fit)")
     return p
 
@@ -86,6 +88,10 @@ def run(args, rest: list[str]) -> int:
     if args.calibrate:
         return run_calibrate(args, device, path)
     constants = calibrate.load(args.device, path)
+    if args.compare:
+        print(f"constants: {constants}")
+        print_runs(read_runs(args.compare, args), device, constants)
+        return 0
     cfg = parse_args(rest)
     vocab, missing = (args.vocab_size, "") if args.vocab_size else vocab_size_of(cfg)
     model = model_of(cfg, vocab)
@@ -103,8 +109,10 @@ def run(args, rest: list[str]) -> int:
     plan = search(model, cluster, batch, constants, choices)
     if not plan.fits:
         need = smallest_cluster(model, cluster, batch, constants)
-        where = f"the smallest cluster where one does: {need} GPUs" if need else "none up to 16,384"
-        raise ConfigError(f"no layout of {cfg.model.flavor} fits {args.gpus} x {args.device} "
+        gpus = f"{need} GPU" + ("s" if need > 1 else "")
+        where = f"the smallest cluster where one does: {gpus}" if need else "none up to 16,384 GPUs"
+        raise ConfigError(f"no layout of {cfg.model.flavor} with global batch {batch} fits "
+                          f"{args.gpus} x {args.device} "
                           f"(rejected: {rejections(plan)}); {where}")  # fmt: skip
     dropped, note = checked(plan, rest, 0 if missing else args.check)
     if args.json:
@@ -168,16 +176,24 @@ def row_json(c: Candidate) -> dict:
             "split_s": {k: round(v, 4) for k, v in p.split.items()}}  # fmt: skip
 
 
-def run_calibrate(args, device, path) -> int:
-    runs = [calibrate.read_run(d, args.vocab_size) for d in args.calibrate]
-    runs = [replace(r, gpus_per_node=args.gpus_per_node) for r in runs]
-    fitted = calibrate.fit(runs, device)
-    saved = calibrate.save(fitted, args.device, runs, path)
+def read_runs(folders: list[str], args) -> list:
+    runs = [calibrate.read_run(d, args.vocab_size) for d in folders]
+    return [replace(r, gpus_per_node=args.gpus_per_node) for r in runs]
+
+
+def print_runs(runs: list, device, constants) -> None:
     print(f"{'run':<40}{'measured':>10}{'predicted':>11}{'error':>8}")
     for r in runs:
-        pred = calibrate.predicted_tps(r, device, fitted)
+        pred = calibrate.predicted_tps(r, device, constants)
         print(f"{r.folder:<40}{r.tokens_per_s:>10,.0f}{pred:>11,.0f}"
               f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%")  # fmt: skip
+
+
+def run_calibrate(args, device, path) -> int:
+    runs = read_runs(args.calibrate, args)
+    fitted = calibrate.fit(runs, device)
+    saved = calibrate.save(fitted, args.device, runs, path)
+    print_runs(runs, device, fitted)
     print(f"constants: {fitted}\nsaved to {saved} (plans for --device {args.device} read it)")
     return 0
 

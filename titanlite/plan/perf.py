@@ -175,75 +175,120 @@ def rank_blocks(shape: Shape, layout: Layout) -> list[int]:
     return [sum(len(plan.stage_layers[i]) for i in stages) for stages in ids]
 
 
+@dataclass
+class _Step:
+    """What every part of one rank's step shares; `t` collects the terms --explain shows."""
+
+    s: Shape
+    lo: Layout
+    device: Device
+    gpus_per_node: int
+    c: Constants
+    param_bytes: int
+    tokens: float  # this rank processes per step
+    micro: int  # forward passes per step (accumulation x pipeline microbatches)
+    t: dict
+
+    @property
+    def peak(self) -> float:
+        return self.device.bf16_tflops * 1e12
+
+    def seconds(self, nbytes: float, group: int, span: int) -> float:
+        return collective_s(nbytes, group, link_gbps(self.device, span, self.gpus_per_node), self.c)
+
+
 def predict(shape: Shape, layout: Layout, device: Device, gpus_per_node: int, c: Constants,
             param_bytes: int = 2) -> Prediction:  # fmt: skip
     """The step time of `layout` for `shape` on `device` (see the module docstring)."""
     lo, s = layout, shape
-    peak, hbm = device.bf16_tflops * 1e12, device.hbm_gbps * 1e9
     rows = lo.local_batch_size * lo.accumulation  # sequences per dp rank per step
-    tokens = rows * s.seq_len / lo.cp  # tokens this rank processes per step
-    pipeline_micro = lo.local_batch_size // lo.pp_microbatch_size if lo.pp > 1 else 1
-    micro = lo.accumulation * pipeline_micro  # forward passes
-    t = {"tokens_per_rank": tokens, "microbatches": micro}
-
-    # One block over the rank's tokens of the step.
-    mm_speed = c.float8_matmul_speedup if lo.float8 else 1.0
-    t["block_matmul_tflop"] = 6 * s.block_linear_params / lo.tp * tokens / 1e12
-    t["block_attention_tflop"] = 7 * s.seq_len * s.n_heads / lo.tp * s.head_dim * tokens / 1e12
-    mm = t["block_matmul_tflop"] * 1e12 / (peak * c.matmul_efficiency * mm_speed)
-    attn = t["block_attention_tflop"] * 1e12 / (peak * c.attention_efficiency)
-    if lo.cp > 1:  # masked calls over each chunk's whole key prefix: (1 + 1 / 2cp) the work
-        attn *= (1 + 1 / (2 * lo.cp)) * c.attention_efficiency / c.masked_attention_efficiency
-    passes = c.elementwise_passes if lo.compile else c.eager_elementwise_passes
-    elem = passes * (s.dim + s.ffn_dim) / lo.tp * param_bytes * tokens / hbm
-    block = mm + attn + elem
-    recompute = {"none": 0.0, "selective": elem / 3,
-                 "full": mm / 3 + attn * 2 / 7 + elem / 3}[lo.ac]  # fmt: skip
-    act_mb = tokens / micro * s.dim * param_bytes  # one [tokens, dim] activation per microbatch
-    tp_calls = (8 + (4 if lo.ac == "full" else 0)) * micro
-    tp = tp_calls * collective_s(act_mb, lo.tp, link_gbps(device, lo.tp, gpus_per_node), c)
-    kv_mb = tokens / micro * lo.cp * 2 * s.kv_dim / lo.tp * param_bytes  # gathered K and V
-    cp_calls = (3 if lo.ac != "none" else 2) * micro
-    cp = cp_calls * collective_s(kv_mb, lo.cp, link_gbps(device, lo.cp * lo.tp, gpus_per_node), c)
-    t.update(block_s=block, block_matmul_s=mm, block_attention_s=attn, block_elementwise_s=elem,
-             block_recompute_s=recompute, block_tp_s=tp, block_cp_s=cp)  # fmt: skip
-
-    # The output projection and loss, on the last pipeline rank.
-    vocab = s.vocab / lo.tp if lo.tp > 1 else s.vocab  # loss parallel under TP
-    t["head_tflop"] = (8 if lo.chunk_tokens else 6) * vocab * s.dim * tokens / 1e12
-    head = t["head_tflop"] * 1e12 / (peak * c.matmul_efficiency)
-    pp_gbps = link_gbps(device, lo.world, gpus_per_node)  # stages are the outermost mesh dim
-    send = 2 * micro * act_mb / (pp_gbps * 1e9 * c.comm_efficiency) if lo.pp > 1 else 0.0
+    micro = lo.accumulation * (lo.local_batch_size // lo.pp_microbatch_size if lo.pp > 1 else 1)
+    tokens = rows * s.seq_len / lo.cp
+    st = _Step(s, lo, device, gpus_per_node, c, param_bytes, tokens, micro,
+               {"tokens_per_rank": tokens, "microbatches": micro})  # fmt: skip
+    block, recompute, comm = block_seconds(st)
+    head, send = head_seconds(st)
     per_rank = rank_blocks(s, lo)
-    works = [n * (block + recompute + tp + cp) + send for n in per_rank]
+    works = [n * (block + recompute + comm) + send for n in per_rank]
     works[-1] += head
     busiest = max(range(lo.pp), key=works.__getitem__)
     blocks, work = per_rank[busiest], works[busiest]
     bubble = pipeline_bubble(lo, micro) * work
-    t.update(head_s=head, pp_send_s=send, blocks_on_busiest_rank=blocks)
-
-    # FSDP / HSDP traffic of the busiest rank's blocks, hidden under its compute but the first.
-    fsdp = lo.dp_shard * lo.cp
-    weights = s.block_linear_params / lo.tp  # one block's elements on this rank, unsharded
-    gbps = link_gbps(device, fsdp * lo.tp, gpus_per_node)
-    gather = collective_s(weights * (1 if lo.float8 else param_bytes), fsdp, gbps, c)
-    reduce = collective_s(weights * 4, fsdp, gbps, c)
-    traffic = ((1 if lo.pp > 1 else 2) * gather + reduce) * blocks * lo.accumulation
-    if lo.dp_replicate > 1:
-        span_gbps = link_gbps(device, lo.dp_replicate * fsdp * lo.tp, gpus_per_node)
-        shard = weights * blocks * 4 / fsdp
-        traffic += 2 * collective_s(shard, lo.dp_replicate, span_gbps, c) * lo.accumulation
     compute = blocks * (block + recompute) + (head if busiest == lo.pp - 1 else 0.0)
-    exposed = max(0.0, traffic - compute) + gather
-    t.update(dp_traffic_s=traffic, first_gather_s=gather, fsdp_link_gbps=gbps)
-
-    optim = s.params_total / (lo.tp * lo.pp * fsdp) * ADAMW_BYTES_PER_PARAM / hbm
+    exposed = dp_exposed_seconds(st, blocks, compute)
+    fsdp = lo.dp_shard * lo.cp
+    optim = (
+        s.params_total / (lo.tp * lo.pp * fsdp) * ADAMW_BYTES_PER_PARAM / (device.hbm_gbps * 1e9)
+    )
     step = work + bubble + exposed + optim
     tps = rows * lo.dp * s.seq_len / step / lo.world
-    split = {"compute": blocks * block + (work - blocks * (block + recompute + tp + cp) - send),
-             "recompute": blocks * recompute, "tp_cp_pp_comm": blocks * (tp + cp) + send,
-             "bubble": bubble, "dp_comm_exposed": exposed, "optimizer": optim}  # fmt: skip
-    return Prediction(step, tps, s.flops_per_token * tps / peak, split, t)
+    st.t["blocks_on_busiest_rank"] = blocks
+    split = {"compute": compute - blocks * recompute, "recompute": blocks * recompute,
+             "tp_cp_pp_comm": blocks * comm + send, "bubble": bubble,
+             "dp_comm_exposed": exposed, "optimizer": optim}  # fmt: skip
+    return Prediction(step, tps, s.flops_per_token * tps / st.peak, split, st.t)
+
+
+def block_seconds(st: _Step) -> tuple[float, float, float]:
+    """One block over the rank's tokens of the step: (compute, AC recompute, TP + CP traffic)."""
+    s, lo, c, t = st.s, st.lo, st.c, st.t
+    mm_speed = c.float8_matmul_speedup if lo.float8 else 1.0
+    t["block_matmul_tflop"] = 6 * s.block_linear_params / lo.tp * st.tokens / 1e12
+    t["block_attention_tflop"] = 7 * s.seq_len * s.n_heads / lo.tp * s.head_dim * st.tokens / 1e12
+    mm = t["block_matmul_tflop"] * 1e12 / (st.peak * c.matmul_efficiency * mm_speed)
+    attn = t["block_attention_tflop"] * 1e12 / (st.peak * c.attention_efficiency)
+    if lo.cp > 1:  # masked calls over each chunk's whole key prefix: (1 + 1 / 2cp) the work
+        attn *= (1 + 1 / (2 * lo.cp)) * c.attention_efficiency / c.masked_attention_efficiency
+    passes = c.elementwise_passes if lo.compile else c.eager_elementwise_passes
+    elem = (
+        passes
+        * (s.dim + s.ffn_dim)
+        / lo.tp
+        * st.param_bytes
+        * st.tokens
+        / (st.device.hbm_gbps * 1e9)
+    )
+    recompute = {"none": 0.0, "selective": elem / 3,
+                 "full": mm / 3 + attn * 2 / 7 + elem / 3}[lo.ac]  # fmt: skip
+    act_mb = st.tokens / st.micro * s.dim * st.param_bytes  # one [tokens, dim] per microbatch
+    tp = (8 + (4 if lo.ac == "full" else 0)) * st.micro * st.seconds(act_mb, lo.tp, lo.tp)
+    kv_mb = st.tokens / st.micro * lo.cp * 2 * s.kv_dim / lo.tp * st.param_bytes  # gathered K, V
+    cp = (3 if lo.ac != "none" else 2) * st.micro * st.seconds(kv_mb, lo.cp, lo.cp * lo.tp)
+    t.update(block_s=mm + attn + elem, block_matmul_s=mm, block_attention_s=attn,
+             block_elementwise_s=elem, block_recompute_s=recompute, block_tp_s=tp,
+             block_cp_s=cp)  # fmt: skip
+    return mm + attn + elem, recompute, tp + cp
+
+
+def head_seconds(st: _Step) -> tuple[float, float]:
+    """(the output projection and loss on the last pipeline rank, each rank's PP sends)."""
+    s, lo, c = st.s, st.lo, st.c
+    vocab = s.vocab / lo.tp if lo.tp > 1 else s.vocab  # loss parallel under TP
+    st.t["head_tflop"] = (8 if lo.chunk_tokens else 6) * vocab * s.dim * st.tokens / 1e12
+    head = st.t["head_tflop"] * 1e12 / (st.peak * c.matmul_efficiency)
+    act_mb = st.tokens / st.micro * s.dim * st.param_bytes
+    pp_gbps = link_gbps(st.device, lo.world, st.gpus_per_node)  # stages: the outermost mesh dim
+    send = 2 * st.micro * act_mb / (pp_gbps * 1e9 * c.comm_efficiency) if lo.pp > 1 else 0.0
+    st.t.update(head_s=head, pp_send_s=send)
+    return head, send
+
+
+def dp_exposed_seconds(st: _Step, blocks: int, compute: float) -> float:
+    """FSDP / HSDP traffic of the busiest rank's blocks: hidden under its compute, but the
+    first all-gather and whatever exceeds the compute."""
+    s, lo = st.s, st.lo
+    fsdp = lo.dp_shard * lo.cp
+    weights = s.block_linear_params / lo.tp  # one block's elements on this rank, unsharded
+    gather = st.seconds(weights * (1 if lo.float8 else st.param_bytes), fsdp, fsdp * lo.tp)
+    reduce = st.seconds(weights * 4, fsdp, fsdp * lo.tp)
+    traffic = ((1 if lo.pp > 1 else 2) * gather + reduce) * blocks * lo.accumulation
+    if lo.dp_replicate > 1:
+        shard = weights * blocks * 4 / fsdp
+        span = lo.dp_replicate * fsdp * lo.tp
+        traffic += 2 * st.seconds(shard, lo.dp_replicate, span) * lo.accumulation
+    st.t.update(dp_traffic_s=traffic, first_gather_s=gather,
+                fsdp_link_gbps=link_gbps(st.device, fsdp * lo.tp, st.gpus_per_node))  # fmt: skip
+    return max(0.0, traffic - compute) + gather
 
 
 def pipeline_bubble(layout: Layout, microbatches: int) -> float:

@@ -85,8 +85,8 @@ def _rank(setup: MemorySetup, rank: int) -> MemorySetup:
 def degrees(model: Model, cluster: Cluster, plan: Plan):
     """(tp, cp, pp) triples the model's shapes allow on the cluster; the others counted."""
     n, node = cluster.gpus, cluster.gpus_per_node
-    for tp in powers_of_two(min(node, n)):
-        for cp in powers_of_two(n // tp):
+    for tp in [t for t in powers_of_two(min(node, n)) if n % t == 0]:
+        for cp in [c for c in powers_of_two(n // tp) if n // tp % c == 0]:
             for pp in divisors(n // (tp * cp)):
                 try:
                     ParallelDims(1, n // (tp * cp * pp), tp, n, cp, pp).validate_model(model.args)
@@ -155,14 +155,13 @@ FRUGAL = Choices(ac=("full",), chunk_tokens=(CHUNK_TOKENS,), float8=(False,))
 
 
 def smallest_cluster(model: Model, cluster: Cluster, global_batch: int, c: Constants) -> int:
-    """The fewest GPUs (whole nodes, doubling) on which the most frugal layouts fit; 0 if none
-    up to 16,384."""
-    gpus = cluster.gpus_per_node
+    """The fewest GPUs (a power of two, whole nodes beyond one) on which the most frugal
+    layouts of `global_batch` fit; 0 if none up to 16,384."""
+    gpus = 1
     while gpus <= 16384:
-        trial = Cluster(gpus, cluster.gpus_per_node, cluster.device, cluster.reserve_gib)
-        batch = max(global_batch, gpus)  # at least one sequence per rank
-        batch = -(-batch // gpus) * gpus
-        if search(model, trial, batch, c, FRUGAL).fits:
+        node = min(cluster.gpus_per_node, gpus)
+        trial = Cluster(gpus, node, cluster.device, cluster.reserve_gib)
+        if search(model, trial, global_batch, c, FRUGAL).fits:
             return gpus
         gpus *= 2
     return 0
