@@ -46,10 +46,12 @@ def check_options(cfg: JobConfig) -> None:
             f"comm.fake_world_size ({comm.fake_world_size}) ranks: set --comm.fake_world_size N "
             "(the job's GPU count) and a rank below it"
         )
-    if comm.mode == "default" and (comm.fake_world_size or comm.fake_rank):
+    if comm.mode == "default" and (
+        comm.fake_world_size or comm.fake_rank or not comm.fake_init_weights
+    ):
         raise ConfigError(
-            "comm.fake_world_size / comm.fake_rank only apply to a dry run: add "
-            "--comm.mode fake_backend"
+            "comm.fake_world_size / comm.fake_rank / comm.fake_init_weights only apply to a dry "
+            "run: add --comm.mode fake_backend"
         )
     ratio = cfg.lr_scheduler.decay_ratio
     if ratio != -1 and not 0 <= ratio <= 1:

@@ -322,6 +322,9 @@ class Comm:
     )
     fake_world_size: int = opt(0, "World size the dry run plays (comm.mode fake_backend)", ge=0)
     fake_rank: int = opt(0, "Rank the dry run plays (comm.mode fake_backend)", ge=0)
+    fake_init_weights: bool = opt(
+        True, "Dry run: draw the rank's initial weights (off: build and allocate only, faster)"
+    )
 
 
 @dataclass

@@ -74,7 +74,7 @@ def dry_run(cfg: JobConfig) -> int:
     t0 = time.perf_counter()
     model = build_model(cfg, job.model_args, job.parallel_dims, compute_dtype, device, job.pipeline)
     t1 = time.perf_counter()
-    init_model(cfg, model, device, draw_weights=True)
+    init_model(cfg, model, device, draw_weights=comm.fake_init_weights)
     t2 = time.perf_counter()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
     # On CUDA, the target; for this rank's pipeline stages under PP.
@@ -87,6 +87,7 @@ def dry_run(cfg: JobConfig) -> int:
         "params_local": sum(local_value(p).numel() for p in model.parameters()),
         "build_seconds": round(t1 - t0, 3),
         "init_seconds": round(t2 - t1, 3),
+        "weights_drawn": comm.fake_init_weights,
         "estimated_peak_gib": round(estimate(setup).total / GIB, 3),
         "checkpoint_bytes": 3 * weights,  # fp32 weights and AdamW's two moments
         "global_batch_size": job.global_batch_size,

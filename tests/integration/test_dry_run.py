@@ -48,7 +48,22 @@ def test_dry_run_builds_only_this_ranks_share(tmp_path, capsys, flavor, world, t
         assert report["params_total"] == Transformer(model_args).num_params(False)
     assert report["checkpoint_bytes"] == 12 * report["params_total"]  # fp32 weights + 2 moments
     assert report["init_seconds"] > 0 and report["estimated_peak_gib"] > 0
+    assert report["weights_drawn"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dry_run.json"]  # nothing else written
+
+
+def test_dry_run_without_drawing_weights_reports_the_same_shares(tmp_path, capsys, monkeypatch):
+    """--no-comm.fake_init_weights (the planner's check): built and allocated, nothing drawn."""
+    args = [*SMALL, "--comm.mode", "fake_backend", "--comm.fake_world_size", "8"]
+    reports = []
+    for draw in ("--comm.fake_init_weights", "--no-comm.fake_init_weights"):
+        code, err = run([*args, draw, "--job.dump_folder", str(tmp_path / draw)], capsys)
+        assert code == 0, err
+        reports.append(json.loads((tmp_path / draw / "dry_run.json").read_text()))
+    drawn, bare = reports
+    assert drawn["weights_drawn"] and not bare["weights_drawn"]
+    same = ("layout", "params_total", "params_local", "estimated_peak_gib", "checkpoint_bytes")
+    assert {k: drawn[k] for k in same} == {k: bare[k] for k in same}
 
 
 def test_dry_run_under_pp_builds_this_ranks_stage(tmp_path, capsys):
@@ -89,8 +104,11 @@ def test_dry_run_rejects_a_layout_the_job_would_reject(tmp_path, capsys, args, e
     assert "Traceback" not in err
 
 
-def test_fake_world_without_the_fake_backend_is_an_error(capsys):
-    code, err = run([*SMALL, "--comm.fake_world_size", "8"], capsys)
+@pytest.mark.parametrize(
+    "option", [["--comm.fake_world_size", "8"], ["--no-comm.fake_init_weights"]]
+)
+def test_fake_world_without_the_fake_backend_is_an_error(capsys, option):
+    code, err = run([*SMALL, *option], capsys)
     assert code == 2 and "--comm.mode fake_backend" in err
 
 

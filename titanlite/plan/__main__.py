@@ -194,7 +194,8 @@ def run_calibrate(args, device, path) -> int:
     fitted = calibrate.fit(runs, device)
     saved = calibrate.save(fitted, args.device, runs, path)
     print_runs(runs, device, fitted)
-    print(f"constants: {fitted}\nsaved to {saved} (plans for --device {args.device} read it)")
+    reader = f"--calibration {saved}" if path else f"--device {args.device}"
+    print(f"constants: {fitted}\nsaved to {saved} (plans with {reader} read it)")
     return 0
 
 
