@@ -10,10 +10,13 @@ per token forward (the causal half), 2.5 times that backward.
 
 import json
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sdpa_kernels import ms_per_call  # noqa: E402
 
 GEMMS = ((8192, 2048, 8192), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 4096),
          (2048, 2048, 2048), (8192, 2048, 128256))  # fmt: skip
@@ -21,14 +24,7 @@ ATTENTION = ((8192, 64), (8192, 128), (16384, 64), (4096, 128))  # (seq_len, hea
 
 
 def seconds(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+    return ms_per_call(fn, iters) / 1e3
 
 
 def gemm_tflops(m: int, k: int, n: int) -> float:

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from titanlite.checks import resolve_global_batch
 from titanlite.config import ConfigError
@@ -84,7 +85,7 @@ def run(args, rest: list[str]) -> int:
         raise ConfigError(f"--gpus and --gpus_per_node must be >= 1, got {args.gpus}, "
                           f"{args.gpus_per_node}")  # fmt: skip
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), device, args.reserve_gib)
-    path = args.calibration and calibrate.Path(args.calibration)
+    path = Path(args.calibration) if args.calibration else None
     if args.calibrate:
         return run_calibrate(args, device, path)
     constants = calibrate.load(args.device, path)
@@ -103,6 +104,11 @@ def run(args, rest: list[str]) -> int:
         print(table([found]) if not args.json else json.dumps([row_json(found)], indent=1))
         print(explain(found))
         return 0
+    return run_plan(args, rest, cfg, model, cluster, constants, missing)
+
+
+def run_plan(args, rest, cfg, model, cluster, constants, missing: str) -> int:
+    """The search, the dry-run check of the best rows, the table, --explain and --write."""
     batch = global_batch(cfg, args)
     choices = Choices(float8=(False,) if args.no_float8 else (False, True),
                       compile=cfg.compile.enable)  # fmt: skip
@@ -114,6 +120,8 @@ def run(args, rest: list[str]) -> int:
         raise ConfigError(f"no layout of {cfg.model.flavor} with global batch {batch} fits "
                           f"{args.gpus} x {args.device} "
                           f"(rejected: {rejections(plan)}); {where}")  # fmt: skip
+    if args.explain and not 1 <= args.explain <= min(len(plan.fits), args.top):
+        raise ConfigError(f"--explain {args.explain}: rows are 1..{min(len(plan.fits), args.top)}")
     dropped, note = checked(plan, rest, 0 if missing else args.check)
     if args.json:
         print(json.dumps([row_json(c) for c in plan.fits[: args.top]], indent=1))
@@ -121,12 +129,10 @@ def run(args, rest: list[str]) -> int:
     print(header(cfg, model, cluster, batch, constants))
     print(table(plan.fits[: args.top]))
     print(summary(plan))
-    print(note or f"not checked by the dry run: {missing}")
+    print(note or f"not checked by the dry run: {missing or '--check 0'}")
     for c, why in dropped:
         print(f"dropped {c.layout.describe()}: {why}")
     if args.explain:
-        if not 1 <= args.explain <= len(plan.fits):
-            raise ConfigError(f"--explain {args.explain}: rows are 1..{len(plan.fits)}")
         print(explain(plan.fits[args.explain - 1]))
     if args.write:
         best = parse_args([*rest, *flags(plan.fits[0].layout)])

@@ -2,7 +2,7 @@
 estimator, its step time from the model in perf.py; ranked by tokens/s per GPU."""
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 
 from titanlite.config import ConfigError
@@ -34,7 +34,8 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Choices:
-    """Which switches the search may turn (the user can pin any of them)."""
+    """Which switches the search may turn (plan --no_float8; plan auto keeps float8 and compile
+    as the config has them)."""
 
     ac: tuple[str, ...] = ("none", "selective", "full")
     chunk_tokens: tuple[int, ...] = (0, CHUNK_TOKENS)
@@ -74,12 +75,7 @@ def memory_gib(model: Model, lo: Layout, device: str = "cuda") -> float:
         pp=lo.pp, pp_options=pipeline_options(lo), device=device,
     )  # fmt: skip
     ranks = {0, lo.pp - 1}
-    return max(estimate(_rank(setup, r), model.counts).total for r in ranks) / GIB
-
-
-def _rank(setup: MemorySetup, rank: int) -> MemorySetup:
-    setup.pp_rank = rank
-    return setup
+    return max(estimate(replace(setup, pp_rank=r), model.counts).total for r in ranks) / GIB
 
 
 def degrees(model: Model, cluster: Cluster, plan: Plan):
