@@ -143,18 +143,6 @@ class ParallelDims:
                 f"({2 * self.cp}): each CP rank takes two of 2 x CP equal chunks of every "
                 f"sequence; pick a seq_len that is a multiple of {2 * self.cp}"
             )
-        if self.cp_enabled and model_args.document_masking:
-            raise ConfigError(
-                "document masking (model.document_masking, or a *_flex_attn flavor) does not "
-                "work with context parallelism yet; turn one of them off"
-            )
-        if self.pp_enabled and (self.cp_enabled or model_args.document_masking):
-            what = "context parallelism" if self.cp_enabled else "document masking"
-            raise ConfigError(
-                f"pipeline parallelism does not work with {what} yet (later stages see hidden "
-                f"states, not the tokens their masks and splits are made from); turn one of "
-                f"them off"
-            )
 
     def loss_parallel(self, parallelism_cfg) -> bool:
         """The loss on vocab-sharded logits: under TP unless the config turns it off."""

@@ -101,8 +101,6 @@ def _reason(e: ConfigError) -> str:
     for words, kind in (("must divide both n_heads", "TP does not divide the heads"),
                         ("must divide the model", "TP does not divide dim or ffn dim"),
                         ("seq_len", "CP does not divide the sequence"),
-                        ("pipeline parallelism does not work with context parallelism",
-                         "pipeline x context parallelism not supported yet"),
                         ("microbatches per step", "too few microbatches for the schedule"),
                         ("stages per rank", "schedule does not fit the layer split")):  # fmt: skip
         if words in text:

@@ -7,13 +7,16 @@ GQA, K and V are a fraction of the activations, so the gather is cheap next to a
 backward reduce-scatters (sums) the K/V gradients back to the ranks that computed K and V.
 
 Everything else in a block is per token, so the rest of the model runs unchanged on the local
-chunks. apply_cp (parallelize.py) installs the two pieces below from outside the model.
+chunks. Document masks are the model's own, built from the whole sequence's document ids and the
+local queries' positions. apply_cp (parallelize.py) installs the two pieces below from outside
+the model; under pipeline parallelism, on every stage.
 """
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.nn.attention.flex_attention import BlockMask
 
-from titanlite.models.llama.model import sdpa
+from titanlite.models.llama.model import causal_attention, sdpa
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -41,36 +44,58 @@ def gather_sequence(x: torch.Tensor, group, cp: int, dim: int) -> torch.Tensor:
 
 
 def cp_attention(q, k, v, mask=None, *, group, cp: int, rank: int) -> torch.Tensor:
-    """Causal attention of this rank's query chunks over the whole sequence's K and V.
+    """Attention of this rank's query chunks over the whole sequence's K and V: causal, or as
+    the document `mask` of these queries over every key says (dense [b, 1, 2c, S] bool, or a
+    flex BlockMask; the model builds it from the whole sequence's documents and the queries'
+    positions, so documents that cross chunk and rank borders are seen whole).
 
     q [b, hq, 2c, hd], k and v [b, hkv, 2c, hd] (this rank's chunks) -> [b, hq, 2c, hd].
     """
-    assert mask is None, "document masking under CP is refused by ParallelDims.validate_model"
     k = gather_sequence(k, group, cp, dim=2)  # [b, hkv, 2c, hd] -> [b, hkv, S, hd]
     v = gather_sequence(v, group, cp, dim=2)  # [b, hkv, 2c, hd] -> [b, hkv, S, hd]
+    if isinstance(mask, BlockMask):
+        # Flex skips the blocks the mask rules out, the keys after each chunk among them, so one
+        # call serves both chunks.
+        return causal_attention(q, k, v, mask)
     c = q.shape[2] // 2
     outs = []
-    for q_chunk, chunk in zip(q.split(c, dim=2), chunk_ids(cp, rank)):
+    for i, (q_chunk, chunk) in enumerate(zip(q.split(c, dim=2), chunk_ids(cp, rank))):
         # Keys after the chunk are masked for all of its queries: they are not computed at all.
         end = (chunk + 1) * c
-        # Query i of the chunk sits at position chunk * c + i and sees keys 0 .. chunk * c + i.
-        q_pos = torch.arange(chunk * c, end, device=q.device)
-        mask = torch.arange(end, device=q.device) <= q_pos[:, None]  # [c, end]
+        if mask is None:
+            # Query i of the chunk sits at position chunk * c + i and sees keys 0 .. chunk * c + i.
+            q_pos = torch.arange(chunk * c, end, device=q.device)
+            chunk_mask = torch.arange(end, device=q.device) <= q_pos[:, None]  # [c, end]
+        else:
+            chunk_mask = mask[:, :, i * c : (i + 1) * c, :end]  # [b, 1, c, end]
         # sdpa repeats K and V for the mask: on CUDA a fused kernel (memory-efficient, or
         # cuDNN) takes it, where GQA with a mask would leave SDPA only its math kernel, which
         # stores the scores [b, hq, c, end]. Flash takes no mask at all.
-        out = sdpa(q_chunk, k[:, :, :end], v[:, :, :end], mask)
-        outs.append(out)  # [b, hq, c, hd]
+        outs.append(sdpa(q_chunk, k[:, :, :end], v[:, :, :end], chunk_mask))  # [b, hq, c, hd]
     return torch.cat(outs, dim=2)
 
 
 def split_inputs(module, args, kwargs, *, cp: int, rank: int):
-    """Forward pre-hook of the model: keep this rank's chunks of the tokens and labels
-    (positional tensors, or labels=) and pass their true positions for RoPE."""
-    seq_len = args[0].shape[1]
-    args = tuple(split_sequence(a, cp, rank) if torch.is_tensor(a) else a for a in args)
+    """Forward pre-hook of the model, or of a pipeline stage: keep this rank's chunks of the
+    tokens and labels, and pass their true positions for RoPE and the whole sequences' document
+    ids for the mask (every key is attended to, so documents are taken before the split).
+
+    A later pipeline stage is given hidden states the first stage has split already; its
+    labels come whole from the schedule (and its documents, which its hidden states cannot
+    give), and tell the sequence length.
+    """
+    x, rest = args[0], args[1:]
+    labels = rest[0] if rest else kwargs.get("labels")
+    if x.is_floating_point():
+        seq_len = labels.shape[1]
+    else:
+        seq_len = x.shape[1]
+        if kwargs.get("documents") is None:
+            kwargs["documents"] = module.documents(x)
+        x = split_sequence(x, cp, rank)
+    rest = tuple(split_sequence(a, cp, rank) if torch.is_tensor(a) else a for a in rest)
     if torch.is_tensor(kwargs.get("labels")):
         kwargs["labels"] = split_sequence(kwargs["labels"], cp, rank)
-    positions = torch.arange(seq_len, device=args[0].device)
+    positions = torch.arange(seq_len, device=x.device)
     kwargs["positions"] = split_sequence(positions, cp, rank, dim=0)
-    return args, kwargs
+    return (x, *rest), kwargs

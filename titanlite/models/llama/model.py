@@ -156,27 +156,33 @@ def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor
     return F.pad(starts.cumsum(dim=1), (1, 0))
 
 
-def document_causal_mask(doc: torch.Tensor) -> torch.Tensor:
-    """[b, s] document ids -> [b, 1, s, s] dense mask: causal within each document (SDPA)."""
+def document_causal_mask(doc: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, S] document ids -> [b, 1, sq, S] dense mask (SDPA): the queries at `positions` [sq]
+    (default: every position) see the earlier keys of their own document."""
     s = doc.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
-    return (doc[:, :, None] == doc[:, None, :]).logical_and(causal).unsqueeze(1)
+    keys = torch.arange(s, device=doc.device)
+    queries = keys if positions is None else positions
+    causal = keys[None, :] <= queries[:, None]  # [sq, S]
+    same = doc[:, queries, None] == doc[:, None, :]  # [b, sq, S]
+    return same.logical_and(causal).unsqueeze(1)
 
 
-def document_block_mask(doc: torch.Tensor) -> BlockMask:
-    """[b, s] document ids -> the same mask for flex attention, stored per 128 x 128 block, so
+def document_block_mask(doc: torch.Tensor, positions: torch.Tensor | None = None) -> BlockMask:
+    """[b, S] document ids -> the same mask for flex attention, stored per 128 x 128 block, so
     attention skips the blocks where no query may see a key (most of them, with many short
-    documents) instead of reading an s x s mask."""
+    documents) instead of reading an sq x S mask."""
+    b, s = doc.shape
 
     def same_document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+        q_pos = q_idx if positions is None else positions[q_idx]
+        return (q_pos >= kv_idx) & (doc[b, q_pos] == doc[b, kv_idx])
 
-    b, s = doc.shape
     # Built once per forward, for all layers. Compiled, later steps reuse the graph: the mask
     # function is a new closure each step, but dynamo guards on its code and treats the document
     # ids it reads as a graph input.
     create = _flex(create_block_mask, doc.device)
-    return create(same_document_causal, b, None, s, s, device=doc.device)
+    q_len = s if positions is None else len(positions)
+    return create(same_document_causal, b, None, q_len, s, device=doc.device)
 
 
 class Attention(nn.Module):
@@ -281,14 +287,25 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             fill_(param, self.param_init(name), seed=seed, key=name, global_shape=param.shape)
 
-    def attention_mask(self, tokens: torch.Tensor) -> torch.Tensor | BlockMask | None:
-        """None (plain causal) or the document mask of `tokens`, in the attention backend's form."""
+    def documents(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """[b, s] token ids -> each token's document index, or None without document masking."""
         if not self.args.document_masking:
             return None
-        doc = document_ids(tokens, self.args.bos_id, self.args.eos_id)
+        if tokens.is_floating_point():
+            raise ValueError(
+                "document masking needs the token ids: a part of the model given hidden states "
+                "(a later pipeline stage) must be passed documents="
+            )
+        return document_ids(tokens, self.args.bos_id, self.args.eos_id)
+
+    def attention_mask(self, documents, positions=None) -> torch.Tensor | BlockMask | None:
+        """None (plain causal) or the document mask of the queries at `positions` (default:
+        every position) over the whole sequence's keys, in the attention backend's form."""
+        if documents is None:
+            return None
         if self.args.attention_backend == "flex":
-            return document_block_mask(doc)
-        return document_causal_mask(doc)
+            return document_block_mask(documents, positions)
+        return document_causal_mask(documents, positions)
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count (global under FSDP/TP: DTensor.numel() is the full size)."""
@@ -303,14 +320,19 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
         chunk_tokens: int = 0,
         positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab], or with labels the fp32 summed cross-entropy.
         (A part without tok_embeddings takes hidden states [b, s, dim] as `tokens`; one without
         output returns its hidden states.)
 
         positions [s]: each token's position in its sequence (default 0..s-1), for callers that
-        pass a part of each sequence. The loss is computed here, not by the caller, so the output
-        weight is read inside this module's forward (unsharded by FSDP at that point).
+        pass a part of each sequence. documents [b, S]: the document index of every token of the
+        whole sequences (document masking; default: from `tokens`), for callers whose `tokens`
+        are not those sequences' ids: a part of each, or a later pipeline stage's hidden states,
+        whose attention still needs the documents of every key. The loss is computed here, not
+        by the caller, so the output weight is read inside this module's forward (unsharded by
+        FSDP at that point).
         """
         seq_len = tokens.shape[1]
         if seq_len > self.args.max_seq_len:
@@ -320,7 +342,9 @@ class Transformer(nn.Module):
             )
         # [max_seq_len, hd] -> [s, hd]
         rope_cache = self.rope_cache[:seq_len] if positions is None else self.rope_cache[positions]
-        mask = self.attention_mask(tokens)
+        if documents is None:
+            documents = self.documents(tokens)
+        mask = self.attention_mask(documents, positions)
         # A pipeline stage cut from this model may lack the embedding (it is given the previous
         # stage's hidden states) or the head (it returns its hidden states).
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # [b, s, dim]

@@ -274,7 +274,12 @@ class PipelinedModel(nn.Module):
     def _run(self, run, tokens, labels, chunk_tokens) -> torch.Tensor:
         inputs = (tokens,) if self.has_first else ()
         self.chunk_tokens = chunk_tokens
-        run(*inputs, target=labels, labels=labels)
+        # Every stage is given the microbatch's labels (the last for its loss, context
+        # parallelism for the sequence length) and its document ids: a later stage's hidden
+        # states cannot tell where documents end.
+        documents = self._stages[0].documents(tokens)
+        masks = {} if documents is None else {"documents": documents}
+        run(*inputs, target=labels, labels=labels, **masks)
         loss_sum = self.loss.take(self.microbatches)
         return torch.zeros((), device=self.device) if loss_sum is None else loss_sum
 
