@@ -1,6 +1,7 @@
 """What the parity tests share: the tiny fp32 run, its per-step curves, the comparison with one
 process, and one launch per world size for a set of runs."""
 
+import json
 from pathlib import Path
 
 from conftest import TINY_TRAIN, read_jsonl, train_many
@@ -9,6 +10,23 @@ from conftest import TINY_TRAIN, read_jsonl, train_many
 # layout splits the same 8 rows differently (1 proc: 4 microbatches of 2). Every layout also
 # logs its per-block grad norms, checked against one process's at no extra launch.
 BASE = [*TINY_TRAIN, "--training.steps", "8", "--metrics.log_layer_grad_norms"]
+
+
+def short_docs(folder: Path) -> Path:
+    """Documents of 3-20 tokens, so every 32-token row packs several."""
+    corpus = folder / "short_docs.jsonl"
+    words = ["alpha", "beta", "gamma", "delta", "x", "y", "return", "if"]
+    docs = [" ".join(words[(i + j) % 8] for j in range(3 + i % 17)) for i in range(400)]
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return corpus
+
+
+def masked_runs(folder: Path) -> tuple[list, list]:
+    """(document-masked, plain causal) args of 4-step runs on short documents (written to
+    `folder`): ragged documents cross every row, chunk and pipeline-microbatch border."""
+    data = ["--training.dataset", "local", "--training.dataset_path", str(short_docs(folder))]
+    causal = [*BASE, *data, "--training.steps", "4"]
+    return [*causal, "--model.flavor", "debugmodel_flex_attn"], causal
 
 
 def curves(dump):

@@ -2,12 +2,18 @@
 losses and grad norms as one process, for every layout of FSDP, HSDP, TP and CP (pipeline layouts:
 test_pipeline_numerics.py); bad layouts fail cleanly before any weight is built."""
 
-import json
 import re
 
 import pytest
 from conftest import run_train
-from integration.parity import BASE, assert_block_norms_match, assert_matches, curves, launch
+from integration.parity import (
+    BASE,
+    assert_block_norms_match,
+    assert_matches,
+    curves,
+    launch,
+    masked_runs,
+)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -49,24 +55,13 @@ SEEDED = "fsdp2xtp2_loss_parallel"
 FSDP2_TP2 = LAYOUTS[SEEDED][1][:4]
 
 
-def short_docs(folder):
-    """Documents of 3-20 tokens, so every 32-token row packs several."""
-    corpus = folder / "short_docs.jsonl"
-    words = ["alpha", "beta", "gamma", "delta", "x", "y", "return", "if"]
-    docs = [" ".join(words[(i + j) % 8] for j in range(3 + i % 17)) for i in range(400)]
-    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return corpus
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every run of this file by name -> its dump folder: the one-process runs one after another
     in one process, then those of each world size in one torchrun launch (process start-up is
     most of a tiny run's time on 2 cores)."""
     out = tmp_path_factory.mktemp("runs")
-    data = ["--training.dataset", "local", "--training.dataset_path", str(short_docs(out))]
-    short = [*BASE, *data, "--training.steps", "4"]
-    masked = [*short, "--model.flavor", "debugmodel_flex_attn"]
+    masked, short = masked_runs(out)
     bf16 = [*BASE, "--training.mixed_precision_param", "bfloat16", "--training.steps", "4"]
     load_seed = ["--checkpoint.initial_load_path", str(out / "seed" / "checkpoint" / "step-0")]
     # name: (ranks, args)
@@ -81,6 +76,7 @@ def runs(tmp_path_factory):
            for name, (n, args, _) in LAYOUTS.items()},
         "mask_fsdp2xtp2": (4, [*masked, *FSDP2_TP2, "--activation_checkpoint.mode", "selective",
                                "--loss.chunk_tokens", "24"]),
+        "mask_cp2xfsdp2": (4, [*masked, *LAYOUTS["cp2xfsdp2"][1]]),
         "bf16_fsdp4": (4, [*bf16, *LAYOUTS["fsdp4"][1]]),
     }  # fmt: skip
     return launch(out, jobs)
@@ -114,6 +110,14 @@ def test_document_masking_fsdp_x_tp_matches_one_process(runs):
     # Same weights and data, causal mask only: measured 8e-4 off at step 1, 6e-3 at step 3.
     causal = curves(runs["mask_causal"])
     assert max(abs(c[1] / r[1] - 1) for c, r in zip(causal, ref)) > 1e-3, (causal, ref)
+
+
+def test_document_masking_under_cp_matches_one_process(runs):
+    """CP 2 x FSDP 2: each rank's two chunks of queries attend over the gathered keys with the
+    mask of their own documents, which cross chunk and rank borders (3-20 token documents,
+    32-token rows cut into 8-token chunks). Measured within 1.5e-7 of one process."""
+    got, ref = curves(runs["mask_cp2xfsdp2"]), curves(runs["mask_one"])
+    assert_matches("document masking cp2xfsdp2 vs 1 process", got, ref, rtol=1e-5, steps=4)
 
 
 def test_bf16_fsdp_matches_one_process_bf16(runs):

@@ -1,13 +1,23 @@
-"""Pipeline parallelism proven on CPU: real train.py runs (torchrun, gloo, 2 or 4 ranks) with
-every schedule, and PP with FSDP, HSDP and TP, give the same per-step losses and grad norms as one
-process (held to 1e-5; the other layouts are test_parallel_numerics.py's)."""
+"""Pipeline parallelism proven on CPU: real train.py runs (torchrun, gloo, 2, 4 or 8 ranks) with
+every schedule, and PP with FSDP, HSDP, TP and CP, with and without document masking, give the
+same per-step losses, grad norms and validation losses as one process (held to 1e-5; the other
+layouts are test_parallel_numerics.py's)."""
 
 import pytest
-from integration.parity import BASE, assert_block_norms_match, assert_matches, curves, launch
+from conftest import read_jsonl
+from integration.parity import (
+    BASE,
+    assert_block_norms_match,
+    assert_matches,
+    curves,
+    launch,
+    masked_runs,
+)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
+CP, TP = "--parallelism.context_parallel_degree", "--parallelism.tensor_parallel_degree"
 FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 stages, 4 microbatches
 # name: (ranks, args, relative tolerance on every step's loss and grad norm). Every schedule on
 # the debug model's 6 layers with the default split (PP 2: two stages of 3 layers, or four of 1-2
@@ -28,15 +38,36 @@ LAYOUTS = {
     "pp2_tp2_loss_parallel": (4, [
         PP, "2", "--parallelism.tensor_parallel_degree", "2", "--loss.chunk_tokens", "24",
     ], 1e-5),
+    # Later stages are given this rank's chunks of hidden states; labels and positions are split
+    # on every stage.
+    "pp2_cp2": (4, [PP, "2", CP, "2"], 1e-5),
 }  # fmt: skip
+# Document masking under PP and CP, on short ragged documents, with validation every 2 steps:
+# every stage builds its mask from the microbatch's document ids (not its hidden states).
+# tp2_cp2_pp2 is torchtitan's validation_tp_cp_pp case with its flags (8 ranks).
+MASKED = {
+    "mask_pp2": (2, [PP, "2"]),
+    "mask_pp2_cp2": (4, [PP, "2", CP, "2"]),
+    "mask_pp2_cp2_zbv": (4, [PP, "2", CP, "2", SCHEDULE, "ZBVZeroBubble", *FOUR_ROWS]),
+    "mask_tp2_cp2_pp2": (8, [
+        "--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2",
+        "--parallelism.pipeline_parallel_degree=2",
+        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+    ]),
+}  # fmt: skip
+VALIDATION = ["--validation.enable", "--validation.freq", "2", "--validation.holdout_fraction",
+              "0.05"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The one-process reference and every layout, by name -> dump folder."""
-    jobs = {"reference": (1, BASE)}
+    out = tmp_path_factory.mktemp("runs")
+    masked = [*masked_runs(out)[0], *VALIDATION]
+    jobs = {"reference": (1, BASE), "mask_one": (1, masked)}
     jobs |= {name: (n, [*BASE, *args]) for name, (n, args, _) in LAYOUTS.items()}
-    return launch(tmp_path_factory.mktemp("runs"), jobs)
+    jobs |= {name: (n, [*masked, *args]) for name, (n, args) in MASKED.items()}
+    return launch(out, jobs)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -51,3 +82,17 @@ def test_block_grad_norms_match_one_process(layout, runs):
     """metrics.log_layer_grad_norms: each stage measures its own blocks, and the logging rank
     (first stage) lists every block."""
     assert_block_norms_match(layout, runs[layout], runs["reference"], rtol=LAYOUTS[layout][2])
+
+
+@pytest.mark.parametrize("layout", list(MASKED))
+def test_document_masking_matches_one_process(layout, runs):
+    """Training losses and grad norms, and the validation losses at steps 2 and 4 (the schedule
+    run forward only), within 1e-5 of one process's. Measured within 1.5e-7."""
+    got, ref = curves(runs[layout]), curves(runs["mask_one"])
+    assert_matches(f"{layout} vs 1 process", got, ref, rtol=1e-5, steps=4)
+    val = [{r["step"]: r["val_loss"] for r in read_jsonl(runs[name] / "metrics.jsonl")
+            if "val_loss" in r} for name in (layout, "mask_one")]  # fmt: skip
+    assert sorted(val[0]) == sorted(val[1]) == [2, 4]
+    worst = max(abs(val[0][s] / val[1][s] - 1) for s in val[1])
+    print(f"{layout}: validation loss, worst relative deviation {worst:.2e}")
+    assert worst <= 1e-5

@@ -210,7 +210,8 @@ class ScaledLoss:
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage whose connection warm-up skips this rank itself. Torch 2.11 warms up a
+    """A PipelineStage whose connection warm-up skips this rank itself, and whose forward-only
+    runs pass no gradients between its stages (below). Torch 2.11 warms up a
     connection to the next and previous stage's rank, which on a V-shaped schedule's middle turn
     is the same rank: gloo cannot send to itself, and the schedule already passes tensors
     between two stages of one rank without a send. (Later torch warms up differently.)"""
@@ -218,6 +219,16 @@ class _Stage(PipelineStage):
     def _get_init_p2p_neighbors_ops(self):
         ops = super()._get_init_p2p_neighbors_ops()
         return [op for op in ops if op.group_peer != self.group_rank]
+
+    # Forward only (validation), torch's schedule runtime still walks a schedule's backward
+    # actions, which do nothing then, but on a V-shaped schedule it hands their gradients from
+    # one stage of a rank to the other, which raises without a backward: there is nothing to hand.
+    def get_local_bwd_output(self, mb_index):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
 class PipelinedModel(nn.Module):
