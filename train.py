@@ -22,14 +22,7 @@ import torch
 
 from titanlite.build import build_model, count_params, init_model
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
-from titanlite.checks import (
-    check_attention_device,
-    check_float8_device,
-    check_job,
-    check_offload_device,
-    check_output_folders,
-    check_single_process,
-)
+from titanlite.checks import check_run, check_single_process
 from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import dump_toml, parse_args
 from titanlite.data.loader import build_train_loader, build_validation_loader
@@ -58,7 +51,7 @@ from titanlite.metrics import (
     init_logger,
 )
 from titanlite.models import get_family
-from titanlite.optim import StepInBackward, build_lr_scheduler, build_optimizer
+from titanlite.optim import build_lr_scheduler, build_optimizer, maybe_step_in_backward
 from titanlite.parallel_dims import loss_parallel_ctx
 from titanlite.plan.run import plan_layout, prediction
 from titanlite.precision import apply_tf32, resolve_param_dtype
@@ -161,12 +154,7 @@ class Trainer:
         self.rank, _, self.world_size, self.device = dist_env
         if cfg.parallelism.plan == "auto":
             plan_layout(cfg, self.world_size, self.device)
-        job = check_job(cfg, self.world_size)
-        # Not in the dry run, whose CPU plays the GPUs.
-        check_float8_device(cfg, self.device)
-        check_attention_device(job.model_args, self.device)
-        check_offload_device(cfg, job.parallel_dims, self.device, torch.__version__)
-        check_output_folders(cfg)
+        job = check_run(cfg, self.world_size, self.device)
         pd = self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Logged with the first step's metrics, so that plan --calibrate can set it beside them.
@@ -206,16 +194,9 @@ class Trainer:
         )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.after_optimizer_step = float8_after_optimizer_step(cfg)
-        self.step_in_backward = None
-        if cfg.optimizer.early_step_in_backward:
-            self.step_in_backward = StepInBackward(self.optimizer, self.device)
-            if t.max_norm > 0:  # torchtitan runs this combination too, unclipped
-                logger.warning(
-                    "training.max_norm %g is not applied: optimizer.early_step_in_backward steps "
-                    "each parameter before the global norm is known, so nothing is clipped (the "
-                    "norm is still measured and logged); set --training.max_norm 0 to silence this",
-                    t.max_norm,
-                )
+        self.step_in_backward = maybe_step_in_backward(
+            self.optimizer, cfg.optimizer, t.max_norm, self.device
+        )
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.state = TrainState()
         self.checkpointer = CheckpointManager(

@@ -25,12 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlite.config import ConfigError  # noqa: E402
 from titanlite.config_parse import parse_args  # noqa: E402
-from titanlite.memory_estimate import (  # noqa: E402
-    GIB,
-    estimate,
-    estimate_stages,
-    setup_from_config,
-)
+from titanlite.memory_estimate import GIB, estimate, estimate_stages  # noqa: E402
+from titanlite.plan.shape import setup_from_config  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 _EXTRA = {"--world_size": int, "--vocab_size": int, "--device": str, "--measure": int}

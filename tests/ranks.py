@@ -28,23 +28,27 @@ def run_ranks(script, args, nproc: int, env: dict, timeout: float, free_port):
     and the first non-zero exit code (0 when every rank succeeded)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    logs = Path(tempfile.mkdtemp(prefix="ranks_"))
-    rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GROUP_RANK="0",
-                      WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))  # fmt: skip
-    procs = []
-    for rank in range(nproc):
-        rank_env = dict(env)
-        if nproc > 1:
-            rank_env.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank))
-        target_args = (str(script), [str(a) for a in args], rank_env, str(logs / str(rank)))
-        procs.append(ctx.Process(target=_rank_main, args=target_args))
-        procs[-1].start()
-    returncode = _wait(procs, timeout, [str(script), *map(str, args)])
-    stdout, stderr = (
-        "".join((logs / f"{rank}.{stream}").read_text(errors="replace") for rank in range(nproc))
-        for stream in ("out", "err")
-    )
+    # Removed once read; a rank's stray child still writing there must not fail the test.
+    with tempfile.TemporaryDirectory(prefix="ranks_", ignore_cleanup_errors=True) as folder:
+        logs = Path(folder)
+        rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GROUP_RANK="0",
+                          WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))  # fmt: skip
+        procs = []
+        for rank in range(nproc):
+            rank_env = dict(env)
+            if nproc > 1:
+                rank_env.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank))
+            target_args = (str(script), [str(a) for a in args], rank_env, str(logs / str(rank)))
+            procs.append(ctx.Process(target=_rank_main, args=target_args))
+            procs[-1].start()
+        returncode = _wait(procs, timeout, [str(script), *map(str, args)])
+        stdout, stderr = (_joined(logs, nproc, stream) for stream in ("out", "err"))
     return subprocess.CompletedProcess([script, *args], returncode, stdout, stderr)
+
+
+def _joined(logs: Path, nproc: int, stream: str) -> str:
+    """One stream ("out" or "err") of every rank, in rank order."""
+    return "".join((logs / f"{rank}.{stream}").read_text(errors="replace") for rank in range(nproc))
 
 
 def _rank_main(script: str, argv: list, env: dict, log_prefix: str) -> None:

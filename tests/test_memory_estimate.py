@@ -19,9 +19,9 @@ from titanlite.memory_estimate import (
     fsdp_buffer_bytes,
     loss_bytes,
     param_counts,
-    setup_from_config,
 )
 from titanlite.models.llama.args import ModelArgs
+from titanlite.plan.shape import setup_from_config
 
 # dim 64, 2 layers, 4 heads (head_dim 16), ffn 256 (multiple_of 256), vocab 128.
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)

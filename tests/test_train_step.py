@@ -11,6 +11,7 @@ from conftest import REPO, read_jsonl
 from torch.overrides import TorchFunctionMode
 
 import train
+from titanlite import checks
 from titanlite.config_parse import parse_args
 from titanlite.distributed import init_distributed
 
@@ -93,7 +94,7 @@ def test_an_internal_error_keeps_its_traceback(tmp_path, monkeypatch):
     def bug(*_):
         raise ValueError("a bug, not the user's")
 
-    monkeypatch.setattr(train, "check_attention_device", bug)
+    monkeypatch.setattr(checks, "check_attention_device", bug)
     argv = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
     with pytest.raises(ValueError, match="a bug"):
         train.main([*argv, "--training.seq_len", "32", "--job.dump_folder", str(tmp_path)])

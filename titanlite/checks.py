@@ -204,6 +204,17 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     return JobLayout(pd, tokenizer, args, global_batch_size, num_microbatches, pipeline)
 
 
+def check_run(cfg: JobConfig, world_size: int, device: torch.device) -> JobLayout:
+    """Every check of a real run: check_job, then those that need this run's device (the dry
+    run, whose CPU plays the job's GPUs, skips them), then the output folders."""
+    job = check_job(cfg, world_size)
+    check_float8_device(cfg, device)
+    check_attention_device(job.model_args, device)
+    check_offload_device(cfg, job.parallel_dims, device, torch.__version__)
+    check_output_folders(cfg)
+    return job
+
+
 def check_pipeline_options(cfg: JobConfig) -> None:
     """Options whose mechanics the pipeline schedule takes over, refused with the fix."""
     t, val = cfg.training, cfg.validation

@@ -1,6 +1,7 @@
 """Optimizer and learning-rate schedule builders, and the optimizer step inside backward."""
 
 import functools
+import logging
 import math
 
 import torch
@@ -9,6 +10,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.distributed import world_sum
+
+logger = logging.getLogger("titanlite")
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
@@ -88,6 +91,25 @@ class StepInBackward:
         total = world_sum(self._norm_sq).sqrt().float()
         self._norm_sq.zero_()
         return total
+
+
+def maybe_step_in_backward(
+    optimizer: torch.optim.Optimizer, cfg, max_norm: float, device: torch.device
+) -> StepInBackward | None:
+    """The StepInBackward that steps `optimizer` when cfg.early_step_in_backward is set, else
+    None. It steps before the global norm is known, so a training.max_norm set with it is not
+    applied, and said so: torchtitan runs this combination too, unclipped."""
+    if not cfg.early_step_in_backward:
+        return None
+    step_in_backward = StepInBackward(optimizer, device)
+    if max_norm > 0:
+        logger.warning(
+            "training.max_norm %g is not applied: optimizer.early_step_in_backward steps "
+            "each parameter before the global norm is known, so nothing is clipped (the "
+            "norm is still measured and logged); set --training.max_norm 0 to silence this",
+            max_norm,
+        )
+    return step_in_backward
 
 
 def _share_of_square(norm: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,7 @@ class DocumentStream:
                     raise _missing_column(self.where, column, list(example))
                 text = example[column]
                 if text is None:
-                    no_text = f"{self.where}: a document has no {column!r} (null or missing)"
-                    raise data_error(files, self.builder, column, no_text)
+                    raise _null_text(self.where, files, self.builder, column)
                 if text:
                     yield text
         except ConfigError:
@@ -191,6 +190,13 @@ def _missing_column(where: str, text_column: str, columns: list) -> ConfigError:
     )
 
 
+def _null_text(where: str, files: list[Path], builder: str, text_column: str) -> ConfigError:
+    """A row without text (datasets fills it with None): the bad row by file and line where
+    the files show one, else a line naming the source."""
+    no_text = f"{where}: a document has no {text_column!r} (null or missing)"
+    return data_error(files, builder, text_column, no_text)
+
+
 def _iter_texts(ds, text_column: str, where: str, files=(), builder="") -> Iterator[str]:
     """Texts of a map-style datasets Dataset, with a clear error for a wrong column and for a
     row without text (datasets fills it with None)."""
@@ -199,8 +205,7 @@ def _iter_texts(ds, text_column: str, where: str, files=(), builder="") -> Itera
     for batch in ds.select_columns([text_column]).iter(batch_size=1024):
         texts = batch[text_column]
         if None in texts:
-            no_text = f"{where}: a document has no {text_column!r} (null or missing)"
-            raise data_error(list(files), builder, text_column, no_text)
+            raise _null_text(where, list(files), builder, text_column)
         yield from (t for t in texts if t)
 
 

@@ -8,12 +8,12 @@ import torch
 from titanlite.config import ConfigError
 from titanlite.config_parse import apply_options
 from titanlite.float8 import float8_enabled
-from titanlite.memory_estimate import GIB, estimate, setup_from_config
+from titanlite.memory_estimate import GIB, estimate
 from titanlite.plan import calibrate
 from titanlite.plan.devices import DEVICES, device_named, get_device
 from titanlite.plan.perf import predict
 from titanlite.plan.search import Choices, Cluster, flags, search
-from titanlite.plan.shape import layout_of, model_of, vocab_size_of
+from titanlite.plan.shape import layout_of, model_of, setup_from_config, vocab_size_of
 
 logger = logging.getLogger("titanlite")
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from titanlite.config import ConfigError
-from titanlite.memory_estimate import GIB, MemorySetup, estimate
+from titanlite.memory_estimate import GIB, estimate
 from titanlite.parallel_dims import ParallelDims
 from titanlite.plan.devices import Device
-from titanlite.plan.perf import Constants, Layout, Prediction, pipeline_options, predict
-from titanlite.plan.shape import Model
+from titanlite.plan.perf import Constants, Layout, Prediction, predict
+from titanlite.plan.shape import Model, memory_setup
 
 # The CUDA context and NCCL's buffers live outside the caching allocator that the estimate
 # describes; this is room left for them, an allowance rather than a measured figure.
@@ -68,12 +68,7 @@ def divisors(n: int) -> list[int]:
 def memory_gib(model: Model, lo: Layout, device: str = "cuda") -> float:
     """The estimator's peak of the fullest pipeline rank (the first holds the most microbatches
     in flight, the last the loss)."""
-    setup = MemorySetup(
-        model_args=model.args, model_name=model.name, local_batch_size=lo.local_batch_size,
-        seq_len=model.shape.seq_len, dp_replicate=lo.dp_replicate, dp_shard=lo.dp_shard,
-        tp=lo.tp, cp=lo.cp, ac_mode=lo.ac, chunk_tokens=lo.chunk_tokens, loss_parallel=lo.tp > 1,
-        pp=lo.pp, pp_options=pipeline_options(lo), device=device,
-    )  # fmt: skip
+    setup = memory_setup(model.args, model.name, model.shape.seq_len, lo, device)
     ranks = {0, lo.pp - 1}
     return max(estimate(replace(setup, pp_rank=r), model.counts).total for r in ranks) / GIB
 

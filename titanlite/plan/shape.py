@@ -1,13 +1,17 @@
 """What the planner reads from a job config: the model's shape and a Layout of the config's own
-options (for --predict, calibration and the record a training run writes)."""
+options (for --predict, calibration and the record a training run writes); and the memory
+estimator's MemorySetup, of a planner's Layout or of a config (the dry run, estimate_memory.py)."""
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from titanlite.build import model_args_for_vocab
 from titanlite.float8 import float8_enabled
-from titanlite.memory_estimate import param_counts
+from titanlite.memory_estimate import MemorySetup, param_counts
 from titanlite.models import get_family
-from titanlite.plan.perf import Layout, Shape
+from titanlite.parallel_dims import ParallelDims
+from titanlite.plan.perf import Layout, Shape, pipeline_options
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,14 @@ def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
 def layout_of(cfg, world_size: int) -> Layout:
     """The layout a config runs on `world_size` ranks (degrees resolved as training does)."""
     from titanlite.checks import resolve_global_batch
-    from titanlite.parallel_dims import ParallelDims
 
+    pd = ParallelDims.from_config(cfg.parallelism, world_size)
+    _, accumulation = resolve_global_batch(cfg.training, pd.dp_degree)
+    return _layout(cfg, pd, accumulation)
+
+
+def _layout(cfg, pd: ParallelDims, accumulation: int = 1) -> Layout:
     p, t = cfg.parallelism, cfg.training
-    pd = ParallelDims.from_config(p, world_size)
-    _, accumulation = resolve_global_batch(t, pd.dp_degree)
     return Layout(
         tp=pd.tp, cp=pd.cp, pp=pd.pp, dp_replicate=pd.dp_replicate, dp_shard=pd.dp_shard,
         schedule=p.pipeline_parallel_schedule, local_batch_size=t.local_batch_size,
@@ -60,6 +67,50 @@ def layout_of(cfg, world_size: int) -> Layout:
         accumulation=accumulation, ac=cfg.activation_checkpoint.mode,
         chunk_tokens=cfg.loss.chunk_tokens, float8=float8_enabled(cfg), compile=cfg.compile.enable,
     )  # fmt: skip
+
+
+def memory_setup(model_args, model_name: str, seq_len: int, lo: Layout, device: str = "cuda",
+                 **run) -> MemorySetup:  # fmt: skip
+    """The estimator's MemorySetup of layout `lo`, the one place a MemorySetup is built. `run`:
+    what a job config sets beyond a layout (dtype, CPU offload, the pipeline rank...) or states
+    itself (its loss_parallel and pipeline options); a planner's layout takes MemorySetup's
+    defaults, loss parallel under TP, and its own pipeline options."""
+    run = dict(loss_parallel=lo.tp > 1, pp_options=pipeline_options(lo)) | run
+    return MemorySetup(
+        model_args=model_args, model_name=model_name, local_batch_size=lo.local_batch_size,
+        seq_len=seq_len, dp_replicate=lo.dp_replicate, dp_shard=lo.dp_shard, tp=lo.tp, cp=lo.cp,
+        ac_mode=lo.ac, chunk_tokens=lo.chunk_tokens, pp=lo.pp, device=device, **run,
+    )  # fmt: skip
+
+
+def setup_from_config(
+    cfg, world_size: int, model_args, device: str = "cuda", rank: int = 0
+) -> MemorySetup:
+    """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`) and the run's
+    model args (titanlite.build makes them, as for training), for the pipeline rank of global
+    `rank` (pipeline stages are the mesh's outermost dim). The estimate is of one microbatch's
+    step, so the global batch is not checked here: training and the planner check it."""
+    p, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
+    pd = ParallelDims.from_config(p, world_size)
+    return memory_setup(
+        model_args, cfg.model.name, t.seq_len, _layout(cfg, pd), device,
+        selective_ac_option=ac.selective_ac_option,
+        param_dtype=_compute_dtype_name(t.mixed_precision_param, device),
+        loss_parallel=pd.loss_parallel(p), reshard_after_forward=p.fsdp_reshard_after_forward,
+        cpu_offload=t.enable_cpu_offload, pp_rank=rank // (world_size // pd.pp), pp_options=p,
+    )  # fmt: skip
+
+
+def _compute_dtype_name(choice: str, device: str) -> str:
+    """ "auto" as train.py resolves it on the target device: the GPUs this estimates for have
+    fast bf16; a CPU is this machine, so its own answer is the right one."""
+    if choice != "auto":
+        return choice
+    if device == "cuda":
+        return "bfloat16"
+    from titanlite.precision import resolve_param_dtype
+
+    return str(resolve_param_dtype(choice, torch.device(device))).removeprefix("torch.")
 
 
 LLAMA3_VOCAB = 128256
