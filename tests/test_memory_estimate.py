@@ -109,6 +109,29 @@ def test_gqa_kv_saved_as_kv_heads_unless_a_mask_repeats_them():
     assert sdpa_kv(ARGS, cp=2) == 2 * 64 * 2
 
 
+def test_a_dense_document_mask_is_held_per_microbatch_in_flight():
+    """The sdpa backend's document mask: [rows, seq / cp, seq] bools kept from forward to
+    backward, plus one SDPA call's fp32 bias (the whole mask without CP; the late chunk's rows
+    under CP, where it replaces the plain causal mask); flex's block mask is not counted."""
+    fp32 = dict(param_dtype="float32")
+    docs = replace(ARGS, document_masking=True, bos_id=1, eos_id=2)
+
+    def extra(args, cp=1):
+        return activation_bytes(setup(model_args=args, cp=cp, **fp32)) - activation_bytes(
+            setup(
+                model_args=replace(args, document_masking=False, attention_backend="sdpa"),
+                cp=cp,
+                **fp32,
+            )
+        )
+
+    # 2 rows x 16 x 16 bools + 2 x 16 x 16 fp32 bias; SDPA's repeated K/V (GQA only) aside.
+    assert extra(docs) == 2 * 16 * 16 + 2 * 16 * 16 * 4
+    causal_cp_mask = 16 // 4 * 16 * (1 + 4)
+    assert extra(docs, cp=2) == 2 * 8 * 16 + 2 * 4 * 16 * 4 - causal_cp_mask
+    assert extra(replace(docs, attention_backend="flex")) == 0
+
+
 def test_cpu_composite_rmsnorm_saves_its_normalized_input_too():
     fp32 = dict(param_dtype="float32")
     extra = activation_bytes(setup(device="cpu", **fp32)) - activation_bytes(setup(**fp32))

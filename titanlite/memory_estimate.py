@@ -36,9 +36,11 @@ error):
   the K and V gathered over the whole sequence instead of the local ones: 2 x kv_dim x cp per
   local token, or under GQA the copies that the early and the late chunk's masked calls repeat
   to the query heads, 2 x dim x (cp + 1/2); its causal mask for the late chunk,
-  [seq / (2 cp), seq], exists during one attention call. Selective 'op' AC keeps the matmul and
-  SDPA outputs and the block input (CP's K/V are gathered again in backward); full AC keeps the
-  block input; selective 'N' makes every Nth block full AC. With AC one block's full
+  [seq / (2 cp), seq], exists during one attention call. A dense document mask (the sdpa
+  backend; flex's block mask is small) is [rows, seq / cp, seq] bools per microbatch in
+  flight. Selective 'op' AC keeps the matmul and SDPA outputs and the block input (CP's K/V are
+  gathered again in backward); full AC keeps the block input; selective 'N' makes every Nth
+  block full AC. With AC one block's full
   activations are rebuilt in backward. One more block's worth is allowed for gradient buffers.
 - Loss: unchunked, the fp32 logits exist three times at the start of backward (saved
   log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits; chunked, one
@@ -256,15 +258,22 @@ def activation_bytes(s: MemorySetup) -> float:
     else:
         n_ckpt = n // int(s.selective_ac_option)
         kept, rebuilt = n_ckpt * ckpt + (n - n_ckpt) * full, full
-    return s.local_tokens * (kept * share.in_flight + rebuilt + full) + cp_mask_bytes(s)
+    return s.local_tokens * (kept * share.in_flight + rebuilt + full) + mask_bytes(s)
 
 
-def cp_mask_bytes(s: MemorySetup) -> float:
-    """CP attention's causal mask for its late chunk, [seq/(2 cp), ~seq] bools, live during one
-    SDPA call, plus the additive bias in the activation dtype that mask-taking kernels make."""
-    if s.cp == 1:
-        return 0.0
-    return s.seq_len // (2 * s.cp) * s.seq_len * (1 + DTYPE_BYTES[s.param_dtype])
+def mask_bytes(s: MemorySetup) -> float:
+    """Attention masks (flex's block masks are small, and not counted). A dense document mask
+    (the sdpa backend), [rows, seq / cp, seq] bools, is built once a forward and kept for
+    backward, for each microbatch in flight; else CP's causal mask for its late chunk, [seq / (2
+    cp), ~seq] bools, lives during one SDPA call. Either way a mask-taking kernel makes an
+    additive bias in the activation dtype of one call's mask."""
+    a, seq, cp = s.model_args, s.seq_len, s.cp
+    act = DTYPE_BYTES[s.param_dtype]
+    call_rows = seq // (2 * cp) if cp > 1 else seq  # queries per SDPA call
+    if a.document_masking and a.attention_backend == "sdpa":
+        rows = s.share.rows
+        return rows * seq // cp * seq * s.share.in_flight + rows * call_rows * seq * act
+    return 0.0 if cp == 1 else call_rows * seq * (1 + act)
 
 
 def loss_bytes(s: MemorySetup) -> float:

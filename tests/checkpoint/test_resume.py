@@ -40,6 +40,8 @@ LAYOUTS = {
     "pp2_fsdp2": (4, ["--parallelism.pipeline_parallel_degree", "2"]),
     "pp2_tp2": (4, ["--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.tensor_parallel_degree", "2"]),
+    "pp2_cp2": (4, ["--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.context_parallel_degree", "2"]),
 }  # fmt: skip
 
 
@@ -89,7 +91,9 @@ def runs(tmp_path_factory) -> Path:
     - "{ref}-{layout}": ref's step 6 resumed under layout, for RESHARD_4;
     - pp/ref: an uninterrupted PP 2 x FSDP 2 run; pp/same, pp/fsdp4, pp/pp2_tp2: its step 6
       resumed under PP 2 x FSDP 2, FSDP 4 and PP 2 x TP 2; pp/from_fsdp4: fsdp4_ref's step 6
-      under PP 2 x TP 2."""
+      under PP 2 x TP 2;
+    - ppcp/ref: an uninterrupted PP 2 x CP 2 run; ppcp/fsdp4: its step 6 under FSDP 4;
+      ppcp/from_fsdp4: fsdp4_ref's step 6 under PP 2 x CP 2."""
     out = tmp_path_factory.mktemp("runs")
     jobs = job(out, "fsdp4_ref", "fsdp4") + job(out, "cp_ref", "cp2_fsdp2")
     jobs += job(out, "tp_ref", "fsdp2_tp2", "--checkpoint.async_mode", "async")
@@ -101,6 +105,9 @@ def runs(tmp_path_factory) -> Path:
     jobs += job(pp, "fsdp4", "fsdp4", start=pp / "ref")
     jobs += job(pp, "pp2_tp2", "pp2_tp2", start=pp / "ref")
     jobs += job(pp, "from_fsdp4", "pp2_tp2", start=out / "fsdp4_ref")
+    ppcp = out / "ppcp"
+    jobs += job(ppcp, "ref", "pp2_cp2") + job(ppcp, "fsdp4", "fsdp4", start=ppcp / "ref")
+    jobs += job(ppcp, "from_fsdp4", "pp2_cp2", start=out / "fsdp4_ref")
     train_many(jobs, nproc=4)
     return out
 
@@ -191,13 +198,21 @@ def test_pp_resume_is_bitwise(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ref, run", [("ref", "fsdp4"), ("ref", "pp2_tp2"), (None, "from_fsdp4")])
+@pytest.mark.parametrize(
+    "ref, run",
+    [
+        ("pp/ref", "pp/fsdp4"),
+        ("pp/ref", "pp/pp2_tp2"),
+        ("fsdp4_ref", "pp/from_fsdp4"),
+        ("ppcp/ref", "ppcp/fsdp4"),
+        ("fsdp4_ref", "ppcp/from_fsdp4"),
+    ],
+)
 def test_pp_checkpoints_reshard_both_ways(ref, run, runs):
     """State-dict keys do not depend on the layout: a PP 2 x FSDP 2 checkpoint continues under
-    FSDP 4 and PP 2 x TP 2, an FSDP 4 one under PP 2 x TP 2, each within reduction-order
-    rounding of the uninterrupted run (measured <= 1.6e-7)."""
-    pp = runs / "pp"
-    a, b = metrics(pp / ref if ref else runs / "fsdp4_ref"), metrics(pp / run)
+    FSDP 4 and PP 2 x TP 2, an FSDP 4 one under PP 2 x TP 2, a PP 2 x CP 2 one under FSDP 4 and
+    back, each within reduction-order rounding of the uninterrupted run (measured <= 1.6e-7)."""
+    a, b = metrics(runs / ref), metrics(runs / run)
     assert sorted(b) == list(range(7, 13))
     devs = {s: abs(a[s] - b[s]) / abs(a[s]) for s in b}
     print(f"{run}: relative loss deviation per step {devs}")

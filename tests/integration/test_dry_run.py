@@ -67,15 +67,17 @@ def test_dry_run_without_drawing_weights_reports_the_same_shares(tmp_path, capsy
 
 
 def test_dry_run_under_pp_builds_this_ranks_stage(tmp_path, capsys):
-    """Rank 40 of 64 = PP 2 x dp_shard 4 x TP 8 is on the second of two stages: layers 3-5, the
-    final norm and the output; its shard is 1/32 of that stage, its estimate the last stage's."""
+    """Rank 40 of 64 = PP 2 x dp_shard 2 x CP 2 x TP 8, with document masking, is on the second
+    of two stages: layers 3-5, the final norm and the output; FSDP shards over dp_shard x CP, so
+    its shard is 1/32 of that stage, its estimate the last stage's."""
     args = [*SMALL, "--comm.mode", "fake_backend", "--comm.fake_world_size", "64"]
     args += ["--comm.fake_rank", "40", "--parallelism.tensor_parallel_degree", "8"]
     args += ["--parallelism.pipeline_parallel_degree", "2"]
+    args += ["--parallelism.context_parallel_degree", "2", "--model.document_masking"]
     code, err = run([*args, "--job.dump_folder", str(tmp_path)], capsys)
     assert code == 0, err
     report = json.loads((tmp_path / "dry_run.json").read_text())
-    assert "pp=2, dp_replicate=1, dp_shard=4" in report["layout"]
+    assert "pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=8" in report["layout"]
     assert report["pipeline_stages"] == {"1": [3, 5]}
     cfg = parse_args(args)
     model_args = model_args_for(cfg, build_tokenizer(cfg.model))
