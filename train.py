@@ -42,6 +42,7 @@ from titanlite.dry_run import dry_run, write_seed_checkpoint
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.host import GarbageCollection
 from titanlite.loss import IGNORE_INDEX
+from titanlite.loss_spike import skips_loss_spike
 from titanlite.metrics import (
     DeviceMemoryMonitor,
     MetricsLogger,
@@ -311,16 +312,19 @@ class Trainer:
         # The step's one host sync. A NaN/inf anywhere makes the global norm non-finite on every
         # rank, so all ranks take the same branch and bad weights are never stepped into (or,
         # stepped in backward, never trained on or saved). CPU offload: the norm is on the CPU.
-        finite = grad_norm.isfinite().to(device, non_blocking=True)
-        finite, stop = torch.stack([finite, stop_votes > 0]).tolist()
+        flags = [grad_norm.isfinite().to(device, non_blocking=True), stop_votes > 0]
+        if self.cfg.training.loss_spike_factor > 0:  # the global loss, read in the same sync
+            flags.append(dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens)
+        finite, stop, *loss = torch.stack([f.double() for f in flags]).tolist()
+        spike = finite and loss and skips_loss_spike(loss[0], self.state, self.cfg, self.loader)
         t_optimizer, optimizer_seconds = time.perf_counter(), None
-        if finite:
+        if finite and not spike:
             self.optimizer.step()  # after a step in backward no gradient is left: a no-op
             self.after_optimizer_step(self.model)
             if log and self.step_in_backward is None:  # timed for SlowRankFinder
                 synchronize(device)
                 optimizer_seconds = time.perf_counter() - t_optimizer
-        else:
+        elif not finite:
             self.on_nonfinite(loss_sum, tokens, grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()

@@ -53,12 +53,15 @@ def trainer(tmp_path, request):
     argv += ["--training.global_batch_size", "4", "--training.mixed_precision_param", "float32"]
     argv += ["--loss.chunk_tokens", str(chunk), "--metrics.peak_tflops", "1"]
     argv += ["--no-metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)]
+    argv += ["--training.loss_spike_factor", "3"] if chunk else []  # reads the loss in that sync
     t = train.Trainer(parse_args(argv), init_distributed())
     yield t
     t.close()
 
 
-@pytest.mark.parametrize("trainer", [0, 16], indirect=True, ids=["plain-loss", "chunked-loss"])
+@pytest.mark.parametrize(
+    "trainer", [0, 16], indirect=True, ids=["plain-loss", "chunked-loss-and-spike-guard"]
+)
 def test_one_host_sync_per_step(trainer):
     assert trainer.loader.num_microbatches == 2  # accumulation is part of what is checked
     for _ in range(2):  # the first step creates the optimizer state; both must be clean

@@ -112,6 +112,12 @@ def _check_early_step(optimizer: Optimizer, t: Training, metrics: Metrics) -> No
             "non-finite gradient norm is known, so the step cannot be skipped: use "
             "--training.on_nonfinite stop"
         )
+    if t.on_loss_spike == "skip" and t.loss_spike_factor > 0:
+        raise ConfigError(
+            "--optimizer.early_step_in_backward has stepped every parameter by the time the "
+            "step's loss is known, so a loss spike cannot be skipped: use "
+            "--training.on_loss_spike report"
+        )
 
 
 def _check_wandb_installed(metrics: Metrics) -> None:

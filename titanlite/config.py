@@ -152,6 +152,17 @@ class Training:
         "every", "Reduce gradients after every microbatch or the last", choices=("every", "last")
     )
     on_nonfinite: str = opt("stop", "On a NaN/inf loss or grad norm", choices=("stop", "skip"))
+    loss_spike_factor: float = opt(
+        0.0, "Report a step whose loss exceeds this x the mean of the last steps' (0 = off)", ge=0
+    )
+    loss_spike_window: int = opt(
+        50, "Steps in the loss spike guard's mean (it judges once it has that many)", ge=1
+    )
+    on_loss_spike: str = opt(
+        "report",
+        "On a loss spike: report it, or also skip its optimizer step on every rank",
+        choices=("report", "skip"),
+    )
     enable_cpu_offload: bool = opt(
         False, "Keep FSDP's sharded params, grads and optimizer state in CPU memory"
     )

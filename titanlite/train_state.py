@@ -1,7 +1,7 @@
 """What a resumed run needs besides weights, optimizer, data position and RNG (the checkpoint
 manager saves each rank's RNG states itself)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -10,6 +10,8 @@ class TrainState:
     tokens_seen: int = 0
     skipped_steps: int = 0
     elapsed_s: float = 0.0
+    # The loss spike guard's window (titanlite.loss_spike): the last steps' global losses.
+    recent_losses: list[float] = field(default_factory=list)
 
     def state_dict(self) -> dict:
         return {
@@ -17,6 +19,7 @@ class TrainState:
             "tokens_seen": self.tokens_seen,
             "skipped_steps": self.skipped_steps,
             "elapsed_s": self.elapsed_s,
+            "recent_losses": list(self.recent_losses),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -24,3 +27,4 @@ class TrainState:
         self.tokens_seen = int(sd["tokens_seen"])
         self.skipped_steps = int(sd["skipped_steps"])
         self.elapsed_s = float(sd["elapsed_s"])
+        self.recent_losses = [float(x) for x in sd["recent_losses"]]

@@ -71,6 +71,8 @@ def test_cpu_offload_without_data_parallelism_shards_over_one_rank(tmp_path):
 NO_CLIP = ["--training.max_norm", "0"]
 REFUSED = {  # extra options -> the fix the one line gives
     "skip-nonfinite": ([*NO_CLIP, "--training.on_nonfinite", "skip"], "on_nonfinite stop"),
+    "skip-loss-spike": ([*NO_CLIP, "--training.loss_spike_factor", "3",
+                         "--training.on_loss_spike", "skip"], "on_loss_spike report"),
     # TINY_TRAIN on one process: 4 microbatches of 2 rows.
     "accumulation": (NO_CLIP, "4 microbatches per rank (gradient accumulation): set "
                               "--training.local_batch_size 8"),

@@ -102,6 +102,22 @@ class TrainLoader:
         self._step = step + 1
         return batches
 
+    def describe_step(self, step: int, shown: int = 16) -> str:
+        """The data global step `step` (0-based) trained on, as a report can name it: the token
+        cache's samples (the first `shown`), or this rank's rows of a stream."""
+        if self.sharded:
+            start, stop = self._items.rows(step, 0)[0], self._items.rows(step + 1, 0)[0]
+            return f"rows [{start}, {stop}) of dp rank {self.dp_rank}'s share of the stream"
+        g = self.global_batch_size
+        samples = self.order.samples(step * g, (step + 1) * g).tolist()
+        more = f", ... ({len(samples)} in all)" if len(samples) > shown else ""
+        return (
+            f"data order positions [{step * g}, {(step + 1) * g}) (epoch "
+            f"{step * g // self.num_samples}): token cache samples "
+            + ", ".join(map(str, samples[:shown]))
+            + more
+        )
+
     def state_dict(self) -> dict:
         return {"step": self._step, **self._order_state}
 

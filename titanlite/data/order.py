@@ -31,14 +31,18 @@ class PermutedOrder:
     def __init__(self, get, lo: int, hi: int, seed: int):
         self.get, self.lo, self.n, self.seed = get, lo, hi - lo, seed
 
-    def take(self, start: int, stop: int) -> list[np.ndarray]:
+    def samples(self, start: int, stop: int) -> np.ndarray:
+        """The cache's sample indices at positions [start, stop) of the data order."""
         positions = np.arange(start, stop, dtype=np.int64)
         epochs, within = np.divmod(positions, self.n)
         samples = np.empty_like(positions)
         for epoch in np.unique(epochs):  # a batch spans at most two epochs
             at = epochs == epoch
             samples[at] = shuffle.permutation(self.n, self.seed, int(epoch))(within[at])
-        return [self.get(self.lo + int(i)) for i in samples]
+        return self.lo + samples
+
+    def take(self, start: int, stop: int) -> list[np.ndarray]:
+        return [self.get(int(i)) for i in self.samples(start, stop)]
 
 
 class Microbatches(torch.utils.data.Dataset):
