@@ -1,5 +1,6 @@
 """Shared test helpers: an isolated, offline environment and a launcher for real training runs."""
 
+import io
 import json
 import os
 import random
@@ -209,3 +210,10 @@ def write_torch_schedule(path, name: str, pp: int, num_stages: int, microbatches
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows([a or "" for a in order[rank]] for rank in range(pp))
     return path
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal: where titanlite/progress.py prints its lines."""
+
+    def isatty(self):
+        return True
