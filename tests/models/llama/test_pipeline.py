@@ -126,7 +126,8 @@ def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule, csv, 
     """Both stages on one rank (a one-rank group), the chunked loss on. What torch 2.11 needs
     there: no int among a stage's inputs (its zero-bubble backward looks up a grad_fn for each),
     and no warm-up send from a rank to itself (gloo has none). The same holds for a schedule
-    read from a file (torch's _PipelineScheduleRuntime)."""
+    read from a file (torch's _PipelineScheduleRuntime). Run forward only (validation), each
+    gives the same loss."""
     args = get_model_args("debugmodel", vocab_size=64, max_seq_len=16, n_layers=2, dim=32)
     whole = Transformer(args)
     whole.init_weights(seed=0)
@@ -145,11 +146,14 @@ def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule, csv, 
         model = PipelinedModel(stages, [0, 1], plan, init_device_mesh("cpu", (1,)), "cpu")
         assert (type(model.schedule).__name__ == "_PipelineScheduleRuntime") == bool(csv)
         loss = model.forward_backward(tokens, labels, loss_scale=0.5, chunk_tokens=5)
+        with torch.no_grad():
+            validation_loss = model(tokens, labels)  # the schedule forward only
     finally:
         dist.destroy_process_group()
     expected = whole(tokens, labels)
     (expected * 0.5).backward()
     torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(validation_loss, expected.detach())
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert grads.keys() == dict(whole.named_parameters()).keys()
     for name, p in whole.named_parameters():
