@@ -36,43 +36,11 @@ from titanlite.data.sources import (  # noqa: E402
 from titanlite.data.store import MANIFEST, TokenStore, is_store  # noqa: E402
 from titanlite.data.store_build import build_store  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
-
-
-class Progress:
-    """One line on stderr at most every `every_s`: documents, tokens/s and, when the number of
-    documents is known, the ETA. Shards kept from an interrupted run count as done, not as speed."""
-
-    def __init__(self, expected_docs: int | None, every_s: float = 5.0):
-        self.expected, self.every_s = expected_docs, every_s
-        self.start = self.last = time.perf_counter()
-        self.docs = self.kept_docs = self.new_docs = self.new_tokens = 0
-
-    def __call__(self, docs: int, tokens: int, reused: bool) -> None:
-        self.docs += docs
-        if reused:
-            self.kept_docs += docs
-        else:
-            self.new_docs, self.new_tokens = self.new_docs + docs, self.new_tokens + tokens
-        if time.perf_counter() - self.last >= self.every_s:
-            self.last = time.perf_counter()
-            print(self.line(), file=sys.stderr, flush=True)
-
-    def line(self) -> str:
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        text = f"{self.docs:,} documents"
-        if self.expected:
-            text += f" of ~{self.expected:,}"
-        text += f", {self.new_tokens / seconds / 1e6:.2f} M tokens/s"
-        if self.kept_docs:
-            text += f" ({self.kept_docs:,} documents kept from an interrupted run)"
-        if self.expected and self.new_docs:
-            left = max(self.expected - self.docs, 0) * seconds / self.new_docs
-            text += f", ETA {time.strftime('%H:%M:%S', time.gmtime(left))}"
-        return text
+from titanlite.progress import Progress  # noqa: E402
 
 
 def expected_documents(dataset: str, dataset_path: str) -> int | None:
-    """The source's row count where it is known without tokenizing, for the ETA (an upper
+    """The source's row count where it is known without tokenizing, for the time left (an upper
     bound: empty texts are skipped); None for a hub stream."""
     if dataset_path:
         files = expand_paths(dataset_path)
@@ -103,17 +71,28 @@ def _check_existing(out: Path, source, tokenizer) -> bool:
 
 
 def prepare(source, tokenizer, out: Path, workers: int, expected: int | None) -> None:
+    """Tokenize `source` into `out`; `expected`: its documents where known, for the time left."""
     if _check_existing(out, source, tokenizer):
         print(f"{source.name}: already prepared in {out}")
         return
-    progress = Progress(expected)
+    progress = Progress(source.name, expected, unit="documents", scale=1)
+    new_tokens = [0]
+
+    def on_shard(docs: int, tokens: int, reused: bool) -> None:
+        # Shards kept from an interrupted run count as done, not as speed.
+        progress.add(docs, kept=reused)
+        new_tokens[0] += 0 if reused else tokens
+
     print(f"{source.name}: tokenizing with {workers} workers into {out}", file=sys.stderr)
-    meta = build_store(source, tokenizer, out, workers, on_shard=progress)
-    print(progress.line(), file=sys.stderr)
-    seconds = time.perf_counter() - progress.start
+    start = time.perf_counter()
+    meta = build_store(source, tokenizer, out, workers, on_shard=on_shard)
+    progress.close()
+    seconds = time.perf_counter() - start
+    kept = f"; {progress.kept:,.0f} documents kept from an interrupted run" if progress.kept else ""
     print(
         f"{source.name}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens "
-        f"({meta['dtype']}, {len(meta['shards'])} shards) in {seconds:.2f} s -> {out}\n"
+        f"({meta['dtype']}, {len(meta['shards'])} shards) in {seconds:.2f} s, "
+        f"{new_tokens[0] / seconds / 1e6:.2f} M tokens/s{kept} -> {out}\n"
         f"  tokenizer {meta['tokenizer']}"
     )
 

@@ -1,5 +1,6 @@
 """Shared test helpers: an isolated, offline environment and a launcher for real training runs."""
 
+import io
 import json
 import os
 import random
@@ -191,3 +192,28 @@ def sdpa_calls(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     return calls
+
+
+def write_torch_schedule(path, name: str, pp: int, num_stages: int, microbatches: int):
+    """Write the compute order torch's named multi-stage schedule `name` gives `pp` ranks to
+    `path` as a schedule CSV (a row per rank, an empty cell per idle slot); returns the path.
+    Only the order is wanted, so the schedule is built on stand-in stages: it reads their sizes
+    and indices, nothing else."""
+    import csv
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    stages = [SimpleNamespace(num_stages=num_stages, group_size=pp, group_rank=0, stage_index=i)
+              for i in range(0, num_stages, pp)]  # fmt: skip
+    order = get_schedule_class(name)(stages, microbatches).pipeline_order
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([a or "" for a in order[rank]] for rank in range(pp))
+    return path
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal: where titanlite/progress.py prints its lines."""
+
+    def isatty(self):
+        return True

@@ -12,10 +12,11 @@ def test_the_tables_name_only_options_titanlite_lacks_each_once():
     assert not set(NOT_IN_TITANLITE) & set(OPTIONS)
     assert not set(NOT_YET) & set(OPTIONS)
     assert not set(NOT_IN_TITANLITE) & set(NOT_YET)
-    # torchtitan v0.2.2 had 61 options titanlite lacked; 3 of them are options now.
-    assert len(NOT_IN_TITANLITE) + len(NOT_YET) == 58
+    # torchtitan v0.2.2 had 61 options titanlite lacked; 4 of them are options now.
+    assert len(NOT_IN_TITANLITE) + len(NOT_YET) == 57
     assert {"training.gc_freq", "debug.deterministic_warn_only",
-            "checkpoint.enable_first_step_checkpoint"} <= set(OPTIONS)  # fmt: skip
+            "checkpoint.enable_first_step_checkpoint",
+            "parallelism.pipeline_parallel_schedule_csv"} <= set(OPTIONS)  # fmt: skip
 
 
 def test_a_typo_is_still_a_typo():
@@ -62,9 +63,11 @@ def test_a_torchtitan_toml_says_why(tmp_path, toml, message):
 
 def test_the_new_options_parse():
     cfg = parse_args(["--training.gc_freq", "7", "--debug.deterministic_warn_only",
-                      "--checkpoint.enable_first_step_checkpoint"])  # fmt: skip
+                      "--checkpoint.enable_first_step_checkpoint",
+                      "--parallelism.pipeline_parallel_schedule_csv", "s.csv"])  # fmt: skip
     assert cfg.training.gc_freq == 7 and cfg.debug.deterministic_warn_only
     assert cfg.checkpoint.enable_first_step_checkpoint
+    assert cfg.parallelism.pipeline_parallel_schedule_csv == "s.csv"
 
 
 def test_readme_lists_every_one():

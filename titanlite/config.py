@@ -203,6 +203,11 @@ class Parallelism:
     pipeline_parallel_schedule: str = opt(
         "1F1B", "Pipeline schedule (torch.distributed.pipelining name), e.g. GPipe, Interleaved1F1B"
     )
+    pipeline_parallel_schedule_csv: str = opt(
+        "",
+        "CSV file of a custom schedule, a row of actions (0F0,1B0,...) per rank; replaces the "
+        "named schedule, which still places the stages",
+    )
     pipeline_parallel_microbatch_size: int = opt(
         1, "Rows per pipeline microbatch (local_batch_size must be a multiple)", ge=1
     )

@@ -27,8 +27,6 @@ NOT_IN_TITANLITE = {
     "parallelism.module_fqns_per_model_part": "stages are cut by whole layers: "
     "parallelism.pipeline_parallel_layers_per_stage, parallelism.pipeline_parallel_first_stage_"
     "less_layers, parallelism.pipeline_parallel_last_stage_less_layers",
-    "parallelism.pipeline_parallel_schedule_csv": "custom schedules from a CSV file are not "
-    "supported; choose a named schedule with parallelism.pipeline_parallel_schedule",
     "parallelism.pipeline_parallel_expert_parallel_overlap": _NO_MOE,
     "parallelism.context_parallel_load_balancer": "context parallelism always balances causal "
     "work by the head-tail split (torchtitan's default, 'headtail')",

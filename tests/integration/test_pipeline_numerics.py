@@ -4,7 +4,7 @@ same per-step losses, grad norms and validation losses as one process (held to 1
 layouts are test_parallel_numerics.py's)."""
 
 import pytest
-from conftest import read_jsonl
+from conftest import read_jsonl, write_torch_schedule
 from integration.parity import (
     BASE,
     assert_block_norms_match,
@@ -19,6 +19,10 @@ pytestmark = pytest.mark.slow  # every test here launches processes
 PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
 CP, TP = "--parallelism.context_parallel_degree", "--parallelism.tensor_parallel_degree"
 FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 stages, 4 microbatches
+# Stands for the schedule file the fixture writes: torch's Interleaved1F1B order for PP 2, four
+# stages (layers_per_stage 2: the split Interleaved1F1B gets) and four microbatches, run by
+# torch's _PipelineScheduleRuntime under the default schedule name (1F1B, one stage a rank).
+SCHEDULE_FILE = "{schedule.csv}"
 # name: (ranks, args, relative tolerance on every step's loss and grad norm). Every schedule on
 # the debug model's 6 layers with the default split (PP 2: two stages of 3 layers, or four of 1-2
 # for multi-stage schedules), then PP with the other dims. Measured within 1.6e-7 of one process.
@@ -30,6 +34,8 @@ LAYOUTS = {
         for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                      "DualPipeV")
     },
+    "pp2_csv": (2, [PP, "2", "--parallelism.pipeline_parallel_schedule_csv", SCHEDULE_FILE,
+                    "--parallelism.pipeline_parallel_layers_per_stage", "2", *FOUR_ROWS], 1e-5),
     "pp4_1f1b": (4, [PP, "4", *FOUR_ROWS], 1e-5),
     "pp2_fsdp2": (4, [PP, "2", "--parallelism.data_parallel_shard_degree", "2"], 1e-5),
     "pp2_fsdp2_zbv": (4, [PP, "2", SCHEDULE, "ZBVZeroBubble", *FOUR_ROWS], 1e-5),
@@ -63,9 +69,11 @@ VALIDATION = ["--validation.enable", "--validation.freq", "2", "--validation.hol
 def runs(tmp_path_factory):
     """The one-process reference and every layout, by name -> dump folder."""
     out = tmp_path_factory.mktemp("runs")
+    csv = str(write_torch_schedule(out / "schedule.csv", "Interleaved1F1B", 2, 4, 4))
     masked = [*masked_runs(out)[0], *VALIDATION]
     jobs = {"reference": (1, BASE), "mask_one": (1, masked)}
-    jobs |= {name: (n, [*BASE, *args]) for name, (n, args, _) in LAYOUTS.items()}
+    jobs |= {name: (n, [*BASE, *(csv if a == SCHEDULE_FILE else a for a in args)])
+             for name, (n, args, _) in LAYOUTS.items()}  # fmt: skip
     jobs |= {name: (n, [*masked, *args]) for name, (n, args) in MASKED.items()}
     return launch(out, jobs)
 

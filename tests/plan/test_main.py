@@ -1,16 +1,22 @@
 """python -m titanlite.plan as a user runs it: the table, JSON, the written config, --predict,
---calibrate, and bad input as one line."""
+--calibrate, bad input as one line, and the dry runs' progress on a terminal."""
 
+import functools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from conftest import Terminal
 
+import titanlite.plan.__main__ as plan_main
 from titanlite.config_parse import parse_args
-from titanlite.plan.__main__ import main
+from titanlite.plan.__main__ import checked, main
+from titanlite.plan.search import Plan
 from titanlite.plan.shape import layout_of
+from titanlite.progress import Progress
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = ["--job.config_file", "debug_model.toml", "--training.seq_len", "2048", "--no_float8"]
@@ -100,3 +106,20 @@ def test_compare_prints_measured_beside_predicted_without_fitting(capsys, tmp_pa
     rc, out, _ = plan(capsys, "--device", "h200", "--vocab_size", "100352", "--compare", *runs)
     assert rc == 0 and out.count("%") == len(runs) == 5
     assert "b_8B6L_4k_b2_sac" in out and not list(tmp_path.iterdir())  # nothing saved
+
+
+def test_dry_run_progress_counts_layouts_one_more_for_each_dropped(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr(plan_main, "Progress",
+                        functools.partial(Progress, stream=terminal, every_s=0))  # fmt: skip
+    verdicts = iter(["rank 0: does not build", "", ""])  # the best layout is dropped
+    monkeypatch.setattr(plan_main, "dry_run", lambda argv, c: next(verdicts))
+    fits = [SimpleNamespace(layout=SimpleNamespace(world=8)) for _ in range(4)]
+    dropped, note = checked(Plan(fits=list(fits)), [], 2)
+    assert len(dropped) == 1 and note == "checked by the dry run at world 8: the best 2"
+    lines = terminal.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "plan: dry runs: 1 of 3 layouts (33%)",
+        "plan: dry runs: 2 of 3 layouts (67%)",
+        "plan: dry runs: 3 of 3 layouts (100%)",
+    ]

@@ -1,12 +1,18 @@
-"""The search: layouts checked as training checks them, ranked, written as train.py options."""
+"""The search: layouts checked as training checks them, ranked, written as train.py options;
+progress lines on a terminal when asked."""
+
+import functools
 
 import pytest
+from conftest import Terminal
 
+import titanlite.plan.search
 from titanlite.config_parse import parse_args
 from titanlite.plan.devices import get_device
 from titanlite.plan.perf import Constants, Layout
 from titanlite.plan.search import Choices, Cluster, flags, memory_gib, search, smallest_cluster
 from titanlite.plan.shape import LLAMA3_VOCAB, layout_of, model_of
+from titanlite.progress import Progress
 
 H100 = get_device("h100-sxm")
 
@@ -74,3 +80,21 @@ def test_memory_of_the_fullest_pipeline_rank():
     one = memory_gib(m, Layout(dp_shard=8, ac="full", chunk_tokens=2048))
     pp = memory_gib(m, Layout(pp=2, dp_shard=4, local_batch_size=2, ac="full", chunk_tokens=2048))
     assert 0 < one < pp  # half the blocks, but unsharded under PP and 2 microbatches in flight
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_progress_lines_count_the_layouts_weighed_when_asked(monkeypatch, progress):
+    """plan's command line asks; plan auto, which every rank of a job runs, does not."""
+    terminal = Terminal()
+    monkeypatch.setattr(titanlite.plan.search, "Progress",
+                        functools.partial(Progress, stream=terminal, every_s=0))  # fmt: skip
+    plan = search(model("8B"), Cluster(8, 8, H100), 16, Constants(), progress=progress)
+    lines = terminal.getvalue().splitlines()
+    if not progress:
+        assert lines == []
+        return
+    total = int(lines[0].split(" of ")[1].split()[0].replace(",", ""))
+    assert total >= len(plan.fits) + plan.rejected["out of memory"] and len(lines) == total
+    assert lines[0].startswith(f"plan: search on 8 GPUs: 1 of {total:,} layouts (0%), ")
+    assert lines[-1].startswith(f"plan: search on 8 GPUs: {total:,} of {total:,} layouts (100%)")
+    assert lines[-1].endswith(" layouts/s, 00:00:00 left")

@@ -1,6 +1,8 @@
 """scripts/prepare_data.py end to end: a worker pool, the same bytes for any pool size, resuming
 after SIGKILL, and training from the prepared directory."""
 
+import functools
+import importlib.util
 import json
 import os
 import signal
@@ -11,10 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY_TRAIN, read_jsonl, run_train
+from conftest import REPO, TINY_TRAIN, Terminal, read_jsonl, run_train
+
+from titanlite.config_parse import parse_args
+from titanlite.data.sources import build_source
+from titanlite.data.tokenizer import build_tokenizer
+from titanlite.progress import Progress
 
 SCRIPT = REPO / "scripts" / "prepare_data.py"
 TOKENIZER = ["--model.vocab_limit", "512"]
+_spec = importlib.util.spec_from_file_location("prepare_data", SCRIPT)
+prepare_data = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(prepare_data)
 
 
 def write_corpus(path: Path, num_docs: int, words_per_doc: int = 40) -> Path:
@@ -52,8 +62,26 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path):
     assert got == files(tmp_path / "w2")
     manifest = json.loads(got["manifest.json"])
     assert [s["num_docs"] for s in manifest["shards"]] == [4096, 4096, 808]
-    assert "9,000 documents" in one.stderr and "tokens/s" in one.stderr
+    assert "9,000 documents" in one.stdout and "M tokens/s" in one.stdout
+    assert "documents/s" not in one.stderr  # progress lines only on a terminal
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "w1", "w2"]  # no temp left
+
+
+def test_on_a_terminal_progress_lines_count_documents_against_the_expected(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "c.jsonl", 5000)  # 2 shards: 4,096 + 904 documents
+    terminal = Terminal()
+    monkeypatch.setattr(prepare_data, "Progress",
+                        functools.partial(Progress, stream=terminal, every_s=0))  # fmt: skip
+    cfg = parse_args(["--training.dataset_path", str(corpus), *TOKENIZER])
+    t = cfg.training
+    source = build_source(t.dataset, t.dataset_path, t.dataset_text_column)
+    expected = prepare_data.expected_documents(t.dataset, t.dataset_path)
+    prepare_data.prepare(source, build_tokenizer(cfg.model), tmp_path / "out", 1, expected)
+    lines = terminal.getvalue().splitlines()  # a line per shard (every_s 0)
+    done = [line.split(" documents")[0].removeprefix(f"{source.name}: ") for line in lines]
+    assert done[0] in ("4,096 of 5,000", "904 of 5,000")  # shards finish in any order
+    assert done[1:] == ["5,000 of 5,000"]
+    assert lines[-1].endswith(" documents/s, 00:00:00 left")
 
 
 def test_resumes_after_sigkill_keeping_finished_shards(tmp_path):
@@ -73,7 +101,7 @@ def test_resumes_after_sigkill_keeping_finished_shards(tmp_path):
     assert not out.exists() and "shard-00001.idx.npy" in kept
     assert not (partial / "shard-00015.idx.npy").exists()  # it was killed mid-way
     resumed = prepare(corpus, out, 2)
-    assert "kept from an interrupted run" in resumed.stderr and not partial.exists()
+    assert "documents kept from an interrupted run" in resumed.stdout and not partial.exists()
     assert all((out / name).stat().st_ino == ino for name, ino in kept.items())
     prepare(corpus, tmp_path / "fresh", 2)
     assert files(out) == files(tmp_path / "fresh")

@@ -36,6 +36,7 @@ from titanlite.plan.search import (
     smallest_cluster,
 )
 from titanlite.plan.shape import layout_of, model_of, vocab_size_of
+from titanlite.progress import Progress
 
 
 def options() -> argparse.ArgumentParser:
@@ -112,9 +113,9 @@ def run_plan(args, rest, cfg, model, cluster, constants, missing: str) -> int:
     batch = global_batch(cfg, args)
     choices = Choices(float8=(False,) if args.no_float8 else (False, True),
                       compile=cfg.compile.enable)  # fmt: skip
-    plan = search(model, cluster, batch, constants, choices)
+    plan = search(model, cluster, batch, constants, choices, progress=True)
     if not plan.fits:
-        need = smallest_cluster(model, cluster, batch, constants)
+        need = smallest_cluster(model, cluster, batch, constants, progress=True)
         gpus = f"{need} GPU" + ("s" if need > 1 else "")
         where = f"the smallest cluster where one does: {gpus}" if need else "none up to 16,384 GPUs"
         raise ConfigError(f"no layout of {cfg.model.flavor} with global batch {batch} fits "
@@ -147,13 +148,17 @@ def checked(plan, config_argv: list[str], k: int) -> tuple[list, str]:
     if k == 0:
         return [], ""
     dropped, passed = [], 0
+    runs = Progress("plan: dry runs", k, unit="layouts", scale=1)
     for c in list(plan.fits[: k + 2]):
         why = dry_run(config_argv, c)
+        runs.total += bool(why)  # a dropped layout: one more to check
+        runs.add(1)
         if why:
             plan.fits.remove(c)
             dropped.append((c, why))
         elif (passed := passed + 1) == k:
             break
+    runs.close()
     if not passed:
         raise ConfigError(f"the dry run failed on each of the {len(dropped)} best layouts (last: "
                           f"{dropped[-1][1]}); fix the config, or plan with --check 0")  # fmt: skip

@@ -11,6 +11,7 @@ from titanlite.parallel_dims import ParallelDims
 from titanlite.plan.devices import Device
 from titanlite.plan.perf import Constants, Layout, Prediction, predict
 from titanlite.plan.shape import Model, memory_setup
+from titanlite.progress import Progress
 
 # The CUDA context and NCCL's buffers live outside the caching allocator that the estimate
 # describes; this is room left for them, an allowance rather than a measured figure.
@@ -104,9 +105,23 @@ def _reason(e: ConfigError) -> str:
 
 
 def search(model: Model, cluster: Cluster, global_batch: int, c: Constants,
-           choices: Choices = Choices()) -> Plan:  # fmt: skip
-    """Every layout of `global_batch` sequences on the cluster, fitting ones ranked."""
+           choices: Choices = Choices(), progress: bool = False) -> Plan:  # fmt: skip
+    """Every layout of `global_batch` sequences on the cluster, fitting ones ranked. `progress`:
+    lines on a terminal as the layouts are weighed (off where every rank plans: plan auto)."""
     plan = Plan()
+    layouts = list(_layouts(model, cluster, global_batch, choices, plan))
+    weighed = Progress(f"plan: search on {cluster.gpus} GPUs", len(layouts), unit="layouts",
+                       scale=1, quiet=not progress)  # fmt: skip
+    for lo in layouts:
+        _consider(model, cluster, lo, c, plan)
+        weighed.add(1)
+    weighed.close()
+    plan.fits.sort(key=lambda x: (-x.prediction.tokens_per_s_per_gpu, x.memory_gib))
+    return plan
+
+
+def _layouts(model: Model, cluster: Cluster, global_batch: int, choices: Choices, plan: Plan):
+    """The layouts to weigh; degrees and batch splits that cannot run are counted in `plan`."""
     float8 = [f for f in choices.float8 if not f or cluster.device.fp8_tflops > 0]
     for tp, cp, pp in degrees(model, cluster, plan):
         dp = cluster.gpus // (tp * cp * pp)
@@ -119,12 +134,9 @@ def search(model: Model, cluster: Cluster, global_batch: int, c: Constants,
         for rep, lbs, schedule, ac, chunk, f8 in product(
             divisors(dp), batches, schedules, choices.ac, choices.chunk_tokens, float8
         ):
-            lo = Layout(tp=tp, cp=cp, pp=pp, dp_replicate=rep, dp_shard=dp // rep,
-                        schedule=schedule, local_batch_size=lbs, accumulation=rows // lbs, ac=ac,
-                        chunk_tokens=chunk, float8=f8, compile=choices.compile)  # fmt: skip
-            _consider(model, cluster, lo, c, plan)
-    plan.fits.sort(key=lambda x: (-x.prediction.tokens_per_s_per_gpu, x.memory_gib))
-    return plan
+            yield Layout(tp=tp, cp=cp, pp=pp, dp_replicate=rep, dp_shard=dp // rep,
+                         schedule=schedule, local_batch_size=lbs, accumulation=rows // lbs, ac=ac,
+                         chunk_tokens=chunk, float8=f8, compile=choices.compile)  # fmt: skip
 
 
 def _consider(model: Model, cluster: Cluster, lo: Layout, c: Constants, plan: Plan) -> None:
@@ -143,14 +155,15 @@ def _consider(model: Model, cluster: Cluster, lo: Layout, c: Constants, plan: Pl
 FRUGAL = Choices(ac=("full",), chunk_tokens=(CHUNK_TOKENS,), float8=(False,))
 
 
-def smallest_cluster(model: Model, cluster: Cluster, global_batch: int, c: Constants) -> int:
+def smallest_cluster(model: Model, cluster: Cluster, global_batch: int, c: Constants,
+                     progress: bool = False) -> int:  # fmt: skip
     """The fewest GPUs (a power of two, whole nodes beyond one) on which the most frugal
     layouts of `global_batch` fit; 0 if none up to 16,384."""
     gpus = 1
     while gpus <= 16384:
         node = min(cluster.gpus_per_node, gpus)
         trial = Cluster(gpus, node, cluster.device, cluster.reserve_gib)
-        if search(model, trial, global_batch, c, FRUGAL).fits:
+        if search(model, trial, global_batch, c, FRUGAL, progress).fits:
             return gpus
         gpus *= 2
     return 0

@@ -19,9 +19,10 @@ from titanlite.models.llama.pipeline import (
 )
 
 
-def options(schedule="1F1B", layers_per_stage=0, first=1, last=1, microbatch_size=1):
+def options(schedule="1F1B", layers_per_stage=0, first=1, last=1, microbatch_size=1, csv=""):
     return SimpleNamespace(
         pipeline_parallel_schedule=schedule,
+        pipeline_parallel_schedule_csv=str(csv),
         pipeline_parallel_layers_per_stage=layers_per_stage,
         pipeline_parallel_first_stage_less_layers=first,
         pipeline_parallel_last_stage_less_layers=last,
@@ -111,15 +112,30 @@ def test_stages_keep_the_whole_models_names_and_run_in_sequence():
     torch.testing.assert_close(stages[1](hidden, labels), whole(tokens, labels), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
-def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule):
+# A schedule file's order for both stages on one rank: split backwards (I, then W) as in the
+# zero-bubble schedules, microbatch 1's forward overlapped with microbatch 0's backward input.
+ONE_RANK_CSV = "0F0,1F0,1I0,(0F1;0I0)OVERLAP_F_B,1F1,1I1,0I1,1W0,0W0,1W1,0W1\n"
+
+
+@pytest.mark.parametrize(
+    "schedule, csv",
+    [("InterleavedZeroBubble", ""), ("ZBVZeroBubble", ""), ("DualPipeV", ""),
+     ("Interleaved1F1B", ONE_RANK_CSV)],
+)  # fmt: skip
+def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule, csv, tmp_path):
     """Both stages on one rank (a one-rank group), the chunked loss on. What torch 2.11 needs
     there: no int among a stage's inputs (its zero-bubble backward looks up a grad_fn for each),
-    and no warm-up send from a rank to itself (gloo has none)."""
+    and no warm-up send from a rank to itself (gloo has none). The same holds for a schedule
+    read from a file (torch's _PipelineScheduleRuntime). Run forward only (validation), each
+    gives the same loss."""
     args = get_model_args("debugmodel", vocab_size=64, max_seq_len=16, n_layers=2, dim=32)
     whole = Transformer(args)
     whole.init_weights(seed=0)
-    plan = plan_pipeline(args.n_layers, 1, 2, options(schedule, first=0, last=0))
+    if csv:
+        (tmp_path / "schedule.csv").write_text(csv)
+        csv = tmp_path / "schedule.csv"
+    plan = plan_pipeline(args.n_layers, 1, 2, options(schedule, first=0, last=0, csv=csv))
+    assert plan.csv == (str(csv) if csv else "")
     stages = [cut_stage(whole, plan.stage_layers[i], i == 0, i == 1) for i in range(2)]
     chunks = []
     chunked = stages[1].chunked_loss
@@ -128,12 +144,16 @@ def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = PipelinedModel(stages, [0, 1], plan, init_device_mesh("cpu", (1,)), "cpu")
+        assert (type(model.schedule).__name__ == "_PipelineScheduleRuntime") == bool(csv)
         loss = model.forward_backward(tokens, labels, loss_scale=0.5, chunk_tokens=5)
+        with torch.no_grad():
+            validation_loss = model(tokens, labels)  # the schedule forward only
     finally:
         dist.destroy_process_group()
     expected = whole(tokens, labels)
     (expected * 0.5).backward()
     torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(validation_loss, expected.detach())
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert grads.keys() == dict(whole.named_parameters()).keys()
     for name, p in whole.named_parameters():

@@ -18,10 +18,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 from titanlite.config import ConfigError
+from titanlite.models.llama.schedule_csv import check_schedule_csv
 
 # Schedules a user can pick, by torch's names. Looped: rank r runs stages r, r + pp, ...;
 # V-shaped: rank r runs stages r and 2 pp - 1 - r (the first and last stage on rank 0).
@@ -39,6 +44,7 @@ class PipelinePlan:
     stage_layers: tuple[range, ...]  # per stage, the transformer layers it holds
     stages_per_rank: int
     microbatches: int  # pipeline microbatches per schedule step (one accumulation microbatch)
+    csv: str = ""  # a schedule file that replaces `schedule` (which still places the stages)
 
     @property
     def num_stages(self) -> int:
@@ -63,8 +69,11 @@ def canonical_schedule(name: str) -> str:
 def plan_pipeline(n_layers: int, pp: int, local_batch_size: int, p) -> PipelinePlan:
     """Check the parallelism section `p` against the model depth and batch, before any weight
     exists, and plan the stages. Like torchtitan, the first and last stage count the embedding
-    and the output as `*_stage_less_layers` layers each, so the default split balances work."""
+    and the output as `*_stage_less_layers` layers each, so the default split balances work.
+    A schedule file (pipeline_parallel_schedule_csv) replaces the named schedule, which then
+    only places the stages and sets the default count (as in torchtitan); the file must fit."""
     schedule = canonical_schedule(p.pipeline_parallel_schedule)
+    csv = p.pipeline_parallel_schedule_csv
     first, last = (
         p.pipeline_parallel_first_stage_less_layers,
         p.pipeline_parallel_last_stage_less_layers,
@@ -82,6 +91,18 @@ def plan_pipeline(n_layers: int, pp: int, local_batch_size: int, p) -> PipelineP
     else:
         per_rank = 1 if schedule in SINGLE_STAGE else 2
         num_stages = per_rank * pp
+    if not csv:  # a schedule file is held to the plan below, with the file
+        _check_stages_per_rank(schedule, per_rank)
+    stage_layers = split_layers(n_layers, num_stages, first, last)
+    microbatches = _microbatches(schedule, pp, num_stages, local_batch_size, p, csv)
+    plan = PipelinePlan(schedule, stage_layers, per_rank, microbatches, csv)
+    if csv:
+        check_schedule_csv(csv, plan, pp, p)
+    return plan
+
+
+def _check_stages_per_rank(schedule: str, per_rank: int) -> None:
+    """What torch's named schedules can run: one stage a rank, at least two, or exactly two."""
     if schedule in SINGLE_STAGE and per_rank != 1:
         raise ConfigError(
             f"{schedule} runs one stage per rank, but the split gives {per_rank}; use a "
@@ -93,13 +114,6 @@ def plan_pipeline(n_layers: int, pp: int, local_batch_size: int, p) -> PipelineP
             f"{schedule} needs {need} stages per rank, but the split gives {per_rank}; change "
             f"pipeline_parallel_layers_per_stage (0 derives it) or pick a one-stage schedule"
         )
-    stage_layers = split_layers(n_layers, num_stages, first, last)
-    return PipelinePlan(
-        schedule,
-        stage_layers,
-        per_rank,
-        _microbatches(schedule, pp, num_stages, local_batch_size, p),
-    )
 
 
 def split_layers(n_layers: int, num_stages: int, first: int, last: int) -> tuple[range, ...]:
@@ -121,7 +135,7 @@ def split_layers(n_layers: int, num_stages: int, first: int, last: int) -> tuple
     return tuple(range(s, s + n) for s, n in zip(starts, sizes))
 
 
-def _microbatches(schedule, pp, num_stages, local_batch_size, p) -> int:
+def _microbatches(schedule, pp, num_stages, local_batch_size, p, csv) -> int:
     mb = p.pipeline_parallel_microbatch_size
     if local_batch_size % mb:
         raise ConfigError(
@@ -129,6 +143,8 @@ def _microbatches(schedule, pp, num_stages, local_batch_size, p) -> int:
             f"parallelism.pipeline_parallel_microbatch_size ({mb})"
         )
     n = local_batch_size // mb
+    if csv:
+        return n  # the file's count is checked with the file
     # What torch's schedules accept (looped ones a little stricter: whole rounds of pp).
     least = 1 if schedule == "GPipe" else num_stages if schedule in V_SHAPED else pp
     if n < least or schedule in LOOPED and n % pp:
@@ -257,12 +273,14 @@ class PipelinedModel(nn.Module):
                 stage.register_forward_hook(loss_as_vector)
         pipeline_stages = [_Stage(m, i, plan.num_stages, device, group=group)
                            for m, i in zip(stages, stage_ids)]  # fmt: skip
-        cls, self.loss = get_schedule_class(plan.schedule), ScaledLoss()
-        multi = issubclass(cls, PipelineScheduleMulti)
+        cls = _PipelineScheduleRuntime if plan.csv else get_schedule_class(plan.schedule)
+        self.loss, multi = ScaledLoss(), issubclass(cls, PipelineScheduleMulti)
         self.schedule = cls(
             pipeline_stages if multi else pipeline_stages[0], plan.microbatches,
             loss_fn=self.loss, scale_grads=False,
         )  # fmt: skip
+        if plan.csv:  # checked by plan_pipeline; torch adds the sends and receives
+            self.schedule._load_csv(plan.csv)
         self.device = device
 
     def param_init(self, name: str):
