@@ -227,10 +227,10 @@ class ScaledLoss:
 
 class _Stage(PipelineStage):
     """A PipelineStage whose connection warm-up skips this rank itself, and whose forward-only
-    runs pass no gradients between its stages (below). Torch 2.11 warms up a
-    connection to the next and previous stage's rank, which on a V-shaped schedule's middle turn
-    is the same rank: gloo cannot send to itself, and the schedule already passes tensors
-    between two stages of one rank without a send. (Later torch warms up differently.)"""
+    runs pass no gradients between its stages (below). Torch 2.11 warms up a connection to the
+    next and previous stage's rank, which on a V-shaped schedule's middle turn is the same rank:
+    gloo cannot send to itself, and the schedule already passes tensors between two stages of
+    one rank without a send. (Later torch warms up differently.)"""
 
     def _get_init_p2p_neighbors_ops(self):
         ops = super()._get_init_p2p_neighbors_ops()
