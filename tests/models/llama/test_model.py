@@ -358,9 +358,9 @@ def test_compiled_flex_builds_one_mask_per_forward_and_never_recompiles(monkeypa
     masks_built = []
     document_block_mask = model_module.document_block_mask
 
-    def counted(doc):
+    def counted(doc, positions=None):
         masks_built.append(doc)
-        return document_block_mask(doc)
+        return document_block_mask(doc, positions)
 
     compiled_fns = functools.cache(lambda fn: torch.compile(fn, backend="aot_eager"))
     monkeypatch.setattr(model_module, "document_block_mask", counted)
