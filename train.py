@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from titanlite.bad_steps import NonFiniteError, on_nonfinite, skips_loss_spike
 from titanlite.build import build_model, count_params, init_model
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
 from titanlite.checks import check_run, check_single_process
@@ -27,6 +28,8 @@ from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import dump_toml, parse_args
 from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.distributed import (
+    CollectiveTimeouts,
+    PeerFailure,
     block_names,
     clip_by_total_,
     destroy,
@@ -35,6 +38,7 @@ from titanlite.distributed import (
     init_distributed,
     local_value,
     params_by_block,
+    peers_watched,
     to_device,
     world_sum,
 )
@@ -42,7 +46,6 @@ from titanlite.dry_run import dry_run, write_seed_checkpoint
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.host import GarbageCollection
 from titanlite.loss import IGNORE_INDEX
-from titanlite.loss_spike import skips_loss_spike
 from titanlite.metrics import (
     DeviceMemoryMonitor,
     MetricsLogger,
@@ -63,10 +66,6 @@ from titanlite.train_state import TrainState
 from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
-
-
-class NonFiniteError(RuntimeError):
-    pass
 
 
 def forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0, sync_only_last=False,
@@ -204,6 +203,7 @@ class Trainer:
             ckpt, cfg.job.dump_folder, self.model, self.optimizer, self.scheduler, self.loader,
             self.state, dp_degree=pd.dp_degree, last_step=t.steps,
         )  # fmt: skip
+        self.timeouts = CollectiveTimeouts(cfg.comm, keep=(self.checkpointer.process_group,))
         self.preemption = Preemption()
         val_schedule = Every(cfg.validation.freq, t.steps, enabled=val_loader is not None)
         self.validator = Validator(
@@ -251,6 +251,7 @@ class Trainer:
         last = cfg.training.steps
         self.preemption.install()
         logger.info("training from step %d to %d", st.step, last)
+        first = st.step
         window = LogWindow()
         prof_cfg, folder = cfg.profiling, cfg.job.dump_folder
         with (
@@ -259,8 +260,11 @@ class Trainer:
             maybe_enable_memory_snapshot(prof_cfg, folder, st.step, self.rank) as snapshotter,
         ):
             while st.step < last:
-                out = self.train_step(log=self.log_schedule.due(st.step + 1))
+                with peers_watched(st.step + 1, cfg.comm.train_timeout_seconds):
+                    out = self.train_step(log=self.log_schedule.due(st.step + 1))
                 st.step += 1
+                if st.step == first + 1:  # start-up is over: from now on a silent rank is a fault
+                    self.timeouts.training()
                 st.tokens_seen += self.global_batch_size * cfg.training.seq_len
                 st.elapsed_s += out.seconds
                 window.add(out)
@@ -276,7 +280,8 @@ class Trainer:
                 if values:
                     self.metrics.log(st.step, values)
                 if self.checkpointer.due(st.step, final=st.step == last or out.stop):
-                    self.checkpointer.save(st.step)
+                    with self.timeouts.saving():
+                        self.checkpointer.save(st.step)
                 if out.stop:
                     logger.warning("stop requested by signal: saved step %d, exiting", st.step)
                     break
@@ -325,32 +330,15 @@ class Trainer:
                 synchronize(device)
                 optimizer_seconds = time.perf_counter() - t_optimizer
         elif not finite:
-            self.on_nonfinite(loss_sum, tokens, grad_norm)
+            loss = dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens
+            early = self.step_in_backward is not None
+            on_nonfinite(loss.item(), grad_norm.item(), self.state, self.cfg, early)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
         return StepResult(
             loss_sum, tokens, grad_norm, block_norms, lr, stop, t_data, seconds, optimizer_seconds
-        )
-
-    def on_nonfinite(self, loss_sum, tokens, grad_norm):
-        step = self.state.step + 1  # the step being taken, numbered as in the logs
-        loss = dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens
-        # Stepped in backward, the update is done (the config refuses on_nonfinite skip with it).
-        early = self.step_in_backward is not None
-        taken = "already taken in backward, with those gradients" if early else "not taken"
-        msg = (
-            f"non-finite values at step {step}: loss {loss.item():.6g}, "
-            f"grad norm {grad_norm.item():.6g}; the optimizer step was {taken}"
-        )
-        if self.cfg.training.on_nonfinite == "skip":
-            self.state.skipped_steps += 1
-            logger.warning("%s (skipped; %d skipped so far)", msg, self.state.skipped_steps)
-            return
-        skip = "" if early else ", or set --training.on_nonfinite skip"
-        raise NonFiniteError(
-            f"{msg}. The last checkpoint is untouched. Lower optimizer.lr or check the data{skip}."
         )
 
     def train_metrics(self, window: LogWindow) -> dict:
@@ -405,7 +393,7 @@ def main(argv=None) -> int:
             print(f"titanlite: error: {e}", file=sys.stderr)
             return 2
     default_expandable_segments(os.environ, torch.cuda.is_available())
-    dist_env = init_distributed(cpu_backend=cfg.training.enable_cpu_offload)
+    dist_env = init_distributed(cfg.training.enable_cpu_offload, cfg.comm.init_timeout_seconds)
     rank = dist_env[0]
     init_logger(rank, int(os.environ.get("LOG_RANK", 0)))
     torch.manual_seed(cfg.debug.seed)
@@ -430,6 +418,10 @@ def main(argv=None) -> int:
     except NonFiniteError as e:  # raised on every rank alike: the global norm is shared
         logger.error("%s", e)
         code = 3
+    except PeerFailure as e:  # its peers are gone or hang: no teardown that waits on them
+        logger.error("%s", e)
+        destroy(barrier=False)
+        return 4
     # Only on exits every rank takes together: teardown has barriers that a crashed peer would
     # hang; after an unexpected error the process just dies and torchrun stops the others.
     trainer.close(code)

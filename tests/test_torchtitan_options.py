@@ -12,11 +12,12 @@ def test_the_tables_name_only_options_titanlite_lacks_each_once():
     assert not set(NOT_IN_TITANLITE) & set(OPTIONS)
     assert not set(NOT_YET) & set(OPTIONS)
     assert not set(NOT_IN_TITANLITE) & set(NOT_YET)
-    # torchtitan v0.2.2 had 61 options titanlite lacked; 4 of them are options now.
-    assert len(NOT_IN_TITANLITE) + len(NOT_YET) == 57
+    # torchtitan v0.2.2 had 61 options titanlite lacked; 6 of them are options now.
+    assert len(NOT_IN_TITANLITE) + len(NOT_YET) == 55
     assert {"training.gc_freq", "debug.deterministic_warn_only",
             "checkpoint.enable_first_step_checkpoint",
-            "parallelism.pipeline_parallel_schedule_csv"} <= set(OPTIONS)  # fmt: skip
+            "parallelism.pipeline_parallel_schedule_csv", "comm.init_timeout_seconds",
+            "comm.train_timeout_seconds"} <= set(OPTIONS)  # fmt: skip
 
 
 def test_a_typo_is_still_a_typo():
@@ -32,7 +33,7 @@ def test_a_typo_is_still_a_typo():
          "does not have: TorchFT fault tolerance"),
         (["--parallelism.expert_parallel_degree", "2"], "does not have: titanlite has dense "
          "Llama models only"),
-        (["--comm.init_timeout_seconds", "300"], "does not have yet: torch's default"),
+        (["--comm.trace_buf_size", "20000"], "does not have yet: set TORCH_FR_BUFFER_SIZE"),
     ],
 )  # fmt: skip
 def test_the_command_line_says_why(argv, message):

@@ -112,7 +112,7 @@ def test_main_sets_expandable_segments_before_cuda_starts_unless_the_user_did(us
     class Started(Exception):
         pass
 
-    def init_distributed(**_):
+    def init_distributed(*_, **__):
         seen.update(os.environ)
         raise Started
 

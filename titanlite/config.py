@@ -341,6 +341,12 @@ class Comm:
     fake_init_weights: bool = opt(
         True, "Dry run: draw the rank's initial weights (off: build and allocate only, faster)"
     )
+    init_timeout_seconds: int = opt(
+        300, "Collective timeout until the first step is done (start-up, loading), seconds", ge=1
+    )
+    train_timeout_seconds: int = opt(
+        100, "Collective timeout after the first step: a dead or hung rank stops the job", ge=1
+    )
 
 
 @dataclass

@@ -5,20 +5,26 @@ Works the same under torchrun (any world size) and plain `python` (a one-rank pr
 every helper degrades to a no-op when there is nothing to reduce over.
 """
 
+import contextlib
 import gc
 import os
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.host import cpus_per_local_rank
 
 
-def init_distributed(cpu_backend: bool = False) -> tuple[int, int, int, torch.device]:
-    """Start the process group; return (rank, local_rank, world, device).
+def init_distributed(
+    cpu_backend: bool = False, timeout_s: float = 300
+) -> tuple[int, int, int, torch.device]:
+    """Start the process group, its collectives timing out after `timeout_s`; return (rank,
+    local_rank, world, device).
 
     cuda:{LOCAL_RANK} + nccl when CUDA is present (plus gloo for CPU tensors with `cpu_backend`:
     FSDP's CPU offload keeps gradients there, and the grad norm reduces them), else cpu + gloo.
@@ -44,12 +50,14 @@ def init_distributed(cpu_backend: bool = False) -> tuple[int, int, int, torch.de
         # (ncclCommSplit) instead of each bootstrapping its own at first use: a faster start at
         # scale, and a bad NCCL setup fails here. gloo takes none.
         device_id = device if device.type == "cuda" else None
+        timeout = timedelta(seconds=timeout_s)
         if launched:
-            _init_process_group(backend, device_id)
+            _init_process_group(backend, device_id, timeout)
         else:
             dist.init_process_group(
-                backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
-            )
+                backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id,
+                timeout=timeout,
+            )  # fmt: skip
     return rank, local_rank, world_size, device
 
 
@@ -79,7 +87,7 @@ def init_fake_distributed(rank: int, world_size: int) -> tuple[int, int, int, to
     return rank, 0, world_size, torch.device("cpu")
 
 
-def _init_process_group(backend: str, device_id: torch.device | None) -> None:
+def _init_process_group(backend: str, device_id: torch.device | None, timeout) -> None:
     """init_process_group on torchrun's store, namespaced by the elastic restart count.
 
     After `torchrun --max-restarts` restarts a group, the agent's store still holds the previous
@@ -91,8 +99,65 @@ def _init_process_group(backend: str, device_id: torch.device | None) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"titanlite/attempt_{attempt}/", store)
     dist.init_process_group(
-        backend=backend, store=store, rank=rank, world_size=world_size, device_id=device_id
-    )
+        backend=backend, store=store, rank=rank, world_size=world_size, device_id=device_id,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def set_collective_timeout(seconds: float, keep=()) -> None:
+    """Every process group's collective timeout but those of the groups in `keep` (torch has no
+    public setter: _set_pg_timeout is what torchtitan uses too). The ranks meet first, so none
+    runs a collective under the new timeout while another still works under the old one."""
+    dist.barrier()
+    for group in list(c10d._world.pg_map):
+        if group not in keep:
+            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+class CollectiveTimeouts:
+    """comm.init_timeout_seconds until the first step is done and during checkpoint saves
+    (they wait on the slowest rank's writes), comm.train_timeout_seconds otherwise: a rank that
+    died or hangs then stops the others within that time. The groups in `keep` (an async save's
+    own, whose collectives run while training goes on) keep the timeout they were made with."""
+
+    def __init__(self, comm, keep=()):
+        self.init_s, self.train_s, self.keep = (
+            comm.init_timeout_seconds, comm.train_timeout_seconds, keep,
+        )  # fmt: skip
+
+    def training(self) -> None:
+        set_collective_timeout(self.train_s, self.keep)
+
+    @contextlib.contextmanager
+    def saving(self):
+        set_collective_timeout(self.init_s, self.keep)
+        yield
+        self.training()
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank died or hangs."""
+
+
+# What gloo says when a peer is gone (its connection closed) or silent past the timeout; NCCL
+# aborts the process from its watchdog instead, within the same timeout.
+_PEER_LOST = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
+
+
+@contextlib.contextmanager
+def peers_watched(step: int, timeout_s: float):
+    """Re-raise a collective's failure inside step `step` as PeerFailure: one line naming the
+    step and what the backend said, instead of a traceback per rank."""
+    try:
+        yield
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if not any(sign in str(e) for sign in _PEER_LOST):
+            raise
+        raise PeerFailure(
+            f"step {step}: a collective failed, a rank died or hangs (the timeout is "
+            f"{timeout_s:g} s, comm.train_timeout_seconds): {reason}"
+        ) from e
 
 
 def destroy(barrier: bool = True) -> None:

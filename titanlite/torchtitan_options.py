@@ -92,8 +92,6 @@ NOT_YET = {
     "activation_checkpoint.debug": "torch's default applies",
     "compile.components": "compile.enable compiles each transformer block; the loss runs "
     "eagerly (loss.chunk_tokens bounds its memory)",
-    "comm.init_timeout_seconds": "torch's default process group timeout applies",
-    "comm.train_timeout_seconds": "torch's default process group timeout applies",
     "comm.trace_buf_size": "set TORCH_FR_BUFFER_SIZE in the environment (NCCL's flight recorder)",
     "comm.save_traces_folder": "set TORCH_FR_DUMP_TEMP_FILE in the environment",
     "comm.save_traces_file_prefix": "set TORCH_FR_DUMP_TEMP_FILE in the environment",

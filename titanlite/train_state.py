@@ -10,7 +10,7 @@ class TrainState:
     tokens_seen: int = 0
     skipped_steps: int = 0
     elapsed_s: float = 0.0
-    # The loss spike guard's window (titanlite.loss_spike): the last steps' global losses.
+    # The loss spike guard's window (titanlite.bad_steps): the last steps' global losses.
     recent_losses: list[float] = field(default_factory=list)
 
     def state_dict(self) -> dict:

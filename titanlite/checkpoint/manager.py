@@ -123,11 +123,11 @@ class CheckpointManager:
         self._published: Future | None = None
         # An async save gets its own process group: on the default one its collectives would
         # interleave with the training step's and deadlock or time out.
-        self._pg = self._stager = None
+        self.process_group = self._stager = None
         if ckpt_cfg.async_mode == "async":
             self._stager = ReusingStager()
             if dist_on():
-                self._pg = dist.new_group(backend="gloo")
+                self.process_group = dist.new_group(backend="gloo")
 
     # ---------------------------------------------------------------- save
     def due(self, step: int, final: bool = False) -> bool:
@@ -157,8 +157,9 @@ class CheckpointManager:
         elif self.cfg.async_mode == "async":
             state = self._state_to_save(step, model_only)
             written = dcp.async_save(
-                state, checkpoint_id=str(tmp), process_group=self._pg, async_stager=self._stager
-            )
+                state, checkpoint_id=str(tmp), process_group=self.process_group,
+                async_stager=self._stager,
+            )  # fmt: skip
             self._published = self._publisher.submit(self._publish_when_written, written, step)
         else:
             with single_process_quietly():
@@ -200,12 +201,12 @@ class CheckpointManager:
         if self._stager is not None:
             self._stager.close()  # frees the staging buffers (unpins them on CUDA)
             self._stager = None
-        if self._pg is not None:
+        if self.process_group is not None:
             # Every rank's save is finished before any rank drops the group: gloo aborts a
             # process whose peer closes a connection it is still using.
-            dist.barrier(group=self._pg)
-            dist.destroy_process_group(self._pg)
-            self._pg = None
+            dist.barrier(group=self.process_group)
+            dist.destroy_process_group(self.process_group)
+            self.process_group = None
 
     def _state_to_save(self, step: int, model_only: bool) -> dict:
         if model_only:

@@ -1,6 +1,6 @@
 """The loss spike guard's arithmetic: the mean of the last window's losses, spikes left out."""
 
-from titanlite.loss_spike import spike_ratio
+from titanlite.bad_steps import spike_ratio
 
 
 def test_judges_once_the_window_is_full_and_keeps_spikes_out_of_the_mean():
