@@ -285,6 +285,7 @@ class Trainer:
                 if out.stop:
                     logger.warning("stop requested by signal: saved step %d, exiting", st.step)
                     break
+        self.checkpointer.wait()  # an async save's failure surfaces here, as a sync one's would
         return 0
 
     def train_step(self, log: bool = False) -> StepResult:
@@ -418,6 +419,10 @@ def main(argv=None) -> int:
     except NonFiniteError as e:  # raised on every rank alike: the global norm is shared
         logger.error("%s", e)
         code = 3
+    except CheckpointError as e:  # a save failed on every rank alike (disk full, ...)
+        if rank == 0:
+            logger.error("%s", e)
+        code = 5
     except PeerFailure as e:  # its peers are gone or hang: no teardown that waits on them
         logger.error("%s", e)
         destroy(barrier=False)

@@ -40,6 +40,7 @@ from titanlite.checkpoint.plan import (
     read_hf_metadata,
     read_metadata,
 )
+from titanlite.checkpoint.space import needed_bytes, save_failed, warn_if_short
 from titanlite.checkpoint.staging import ReusingStager
 from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import EXCLUDABLE, ConfigError
@@ -154,16 +155,27 @@ class CheckpointManager:
         _barrier()  # nobody writes into tmp before rank 0 has cleared it
         if export:
             self._export(step, tmp)
-        elif self.cfg.async_mode == "async":
-            state = self._state_to_save(step, model_only)
+            self._last_saved = step
+            return
+        state = self._state_to_save(step, model_only)
+        # Rank 0 alone reads the folder (the newest checkpoint's size) and reports on space.
+        needed = needed_bytes(self.folder, state) if rank() == 0 else 0
+        if rank() == 0:
+            warn_if_short(self.folder, step, needed)
+        if self.cfg.async_mode == "async":
             written = dcp.async_save(
                 state, checkpoint_id=str(tmp), process_group=self.process_group,
                 async_stager=self._stager,
             )  # fmt: skip
-            self._published = self._publisher.submit(self._publish_when_written, written, step)
+            self._published = self._publisher.submit(
+                self._publish_when_written, written, step, needed
+            )
         else:
-            with single_process_quietly():
-                dcp.save(self._state_to_save(step, model_only), checkpoint_id=str(tmp))
+            try:
+                with single_process_quietly():
+                    dcp.save(state, checkpoint_id=str(tmp))
+            except CheckpointException as e:  # raised on every rank: DCP reduces the failures
+                raise save_failed(self.folder, step, needed, _dcp_reason(e)) from e
             self._published = self._publisher.submit(self._finalize, step)
         self._last_saved = step
 
@@ -179,14 +191,11 @@ class CheckpointManager:
         info = {"model_only": True, "format": fmt, "dtype": dtype}
         self._published = self._publisher.submit(self._finalize, step, info)
 
-    def _publish_when_written(self, written: Future, step: int) -> None:
+    def _publish_when_written(self, written: Future, step: int, needed: int) -> None:
         try:
             written.result()  # DCP completes it after every rank's data is on disk
         except (Exception, CheckpointException) as e:
-            raise RuntimeError(
-                f"async checkpoint save of step {step} to {self.folder / f'step-{step}.tmp'} "
-                f"failed: {_dcp_reason(e)}; the previous checkpoints are untouched"
-            ) from e
+            raise save_failed(self.folder, step, needed, f"async: {_dcp_reason(e)}") from e
         self._finalize(step)
 
     def wait(self) -> None:

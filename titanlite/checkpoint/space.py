@@ -1,0 +1,75 @@
+"""Disk space for a save: warned about before writing, and named when a save fails.
+
+What a save needs is the size of the newest complete checkpoint in the folder (the state's shapes
+do not change during a run), or before the first one, this rank's share of the state times the
+ranks (an upper bound: replicated shards are written once). What it has is the free space of the
+folder's filesystem, as this rank sees it.
+"""
+
+import logging
+import shutil
+from pathlib import Path
+
+from torch.distributed.tensor import DTensor
+
+from titanlite.checkpoint.layout import rank, read_marker, scan_checkpoints, world_size
+from titanlite.checkpoint.plan import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+def needed_bytes(folder: Path, state: dict) -> int:
+    complete = {
+        s: p for s, p in scan_checkpoints(folder)[0].items() if not read_marker(p).get("model_only")
+    }
+    if complete:
+        newest = complete[max(complete)]
+        return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+    return _local_bytes(state) * world_size()
+
+
+def _local_bytes(tree) -> int:
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_local_bytes(v) for v in tree)
+    if isinstance(tree, DTensor):
+        tree = tree.to_local()
+    return getattr(tree, "nbytes", 0)
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def warn_if_short(folder: Path, step: int, needed: int) -> None:
+    free = free_bytes(folder)
+    if free < needed:
+        logger.warning(
+            "checkpoint step %d needs about %s in %s, which has %s free: the save will likely "
+            "fail; free some space or lower checkpoint.keep_latest_k",
+            step, _mib(needed), folder, _mib(free),
+        )  # fmt: skip
+
+
+def save_failed(folder: Path, step: int, needed: int, reason: str) -> CheckpointError:
+    """The error of a failed save, after rank 0 removed its partial folder: what it needed, what
+    is free, which checkpoints are left."""
+    tmp = folder / f"step-{step}.tmp"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    free = free_bytes(folder)
+    short = (
+        "not enough space: free some, or lower checkpoint.keep_latest_k; " if free < needed else ""
+    )
+    left = sorted(scan_checkpoints(folder)[0])
+    kept = f"step {left[-1]} and earlier are untouched" if left else "no earlier checkpoint exists"
+    return CheckpointError(
+        f"checkpoint step {step} could not be written to {folder}: it needs about "
+        f"{_mib(needed)} and {_mib(free)} are free there ({short}the partial {tmp.name} was "
+        f"removed; {kept}). Writer: {reason}"
+    )
