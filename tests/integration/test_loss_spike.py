@@ -33,7 +33,7 @@ def test_a_corrupt_batch_is_reported_and_skipped_on_every_rank(tmp_path, action,
     args = [*masked_runs(tmp_path)[1], "--training.steps", "7", *GUARD]
     args += ["--training.on_loss_spike", action, "--checkpoint.enable"]
     args += ["--checkpoint.interval", "6", "--job.dump_folder", str(tmp_path / "run")]
-    proc = torchrun_script(REPO / "tests" / "integration" / "bad_batch.py", "7", *args,
+    proc = torchrun_script(REPO / "scripts" / "fault_inject.py", "junk", "7", *args,
                            nproc=nproc)  # fmt: skip
     log = proc.stdout + proc.stderr
     spikes = REPORT.findall(log)

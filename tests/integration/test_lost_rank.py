@@ -14,7 +14,7 @@ def test_a_lost_rank_stops_the_job_naming_the_step(tmp_path, how):
     args += ["--job.dump_folder", str(tmp_path)]
     # The harness's own limit: without the train timeout a stopped peer would hold rank 0 in
     # its collective for torch's 30 minutes.
-    proc = torchrun_script(REPO / "tests" / "integration" / "lost_rank.py", how, "3", *args,
+    proc = torchrun_script(REPO / "scripts" / "fault_inject.py", how, "3", *args,
                            nproc=2, timeout=120, check=False)  # fmt: skip
     log = proc.stdout + proc.stderr
     assert proc.returncode == 4, log[-3000:]

@@ -1,0 +1,147 @@
+"""The fault drill: each fault a cluster deals out, injected into a real run of the debug model
+on this machine (gloo, CPU), and what titanlite did about it, measured:
+
+    python scripts/fault_drill.py                  # 2 ranks; --ranks 4 for 4
+    python scripts/fault_drill.py --only kill stop
+
+Faults (scripts/fault_inject.py injects them as step 5 starts; checkpoints every 2 steps):
+- kill: rank 1 SIGKILLed; stop: rank 1 SIGSTOPped (hung). Both under `torchrun --max-restarts
+  1`: detected = the peer's one-line error, back = the restarted job's first step;
+- junk: a batch of random tokens on every rank at step 7, with the loss spike guard on
+  (skip);
+- full: the disk fills during a save (a 100 MiB tmpfs; needs root to mount, else left out).
+Times are seconds from the fault (the moment the injector wrote down) to what followed, read
+from the run's output as it arrives. Prints a Markdown table.
+"""
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512",
+       "--training.seq_len", "32", "--training.local_batch_size", "2",
+       "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32",
+       "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+       "--no-metrics.enable_tensorboard", "--metrics.peak_tflops", "1",
+       "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2"]  # fmt: skip
+FAULT_STEP = 5
+JUNK_STEP = 7  # after six steps on short documents, whose loss falls fast
+
+
+def watch(cmd: list, patterns: dict) -> tuple[int, dict, str]:
+    """Run `cmd`; (exit code, first arrival time of a line matching each pattern, output)."""
+    seen, out = {}, []
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    for line in proc.stdout:
+        out.append(line)
+        for name, pattern in patterns.items():
+            if name not in seen and re.search(pattern, line):
+                seen[name] = time.time()
+    return proc.wait(), seen, "".join(out)
+
+
+def lost_rank(how: str, ranks: int, timeout: int, dump: Path) -> list:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+           "--max-restarts", "1", "scripts/fault_inject.py", how, str(FAULT_STEP), *RUN,
+           "--comm.train_timeout_seconds", str(timeout),
+           "--job.dump_folder", str(dump)]  # fmt: skip
+    code, seen, out = watch(cmd, {
+        "detected": r"a collective failed", "restarted": r"training from step \d+",
+        "back": rf"INFO step +{FAULT_STEP} ",
+    })  # fmt: skip
+    fault = float((dump / "fault_at").read_text())
+    resumed = re.findall(r"training from step (\d+)", out)[-1]
+    lost = FAULT_STEP - 1 - int(resumed)  # completed steps that were not saved
+    what = ("a peer logs the step and the backend's reason, exits 4; torchrun restarts the "
+            f"group, which resumes from step {resumed} (exit {code})")  # fmt: skip
+    detect = seen["detected"] - fault
+    back = seen["back"] - fault if "back" in seen else float("nan")
+    return [f"rank 1 {'SIGKILLed' if how == 'kill' else 'SIGSTOPped (hung)'}, {ranks} ranks",
+            what, f"{detect:.1f} s (back training after {back:.1f} s)",
+            f"{lost} completed step(s), and the step in progress"]  # fmt: skip
+
+
+def junk(ranks: int, dump: Path) -> list:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+           "scripts/fault_inject.py", "junk", str(JUNK_STEP), *RUN,
+           "--training.loss_spike_factor", "2", "--training.loss_spike_window", "3",
+           "--training.on_loss_spike", "skip", "--training.dataset", "local",
+           "--training.dataset_path", str(short_docs(dump.parent)),
+           "--job.dump_folder", str(dump)]  # fmt: skip
+    code, seen, out = watch(cmd, {"detected": r"loss spike at step"})
+    fault = float((dump / "fault_at").read_text())
+    line = re.search(r"loss spike at step \d+: loss \S+ is \S+x", out)
+    return [f"a batch of random tokens on every rank, {ranks} ranks",
+            f"'{line.group(0) if line else 'no report'} ...' with the data it trained on; the "
+            f"update skipped on every rank (exit {code})",
+            f"{seen['detected'] - fault:.1f} s (the same step)" if "detected" in seen else "-",
+            "nothing: the step's update is not taken"]  # fmt: skip
+
+
+def short_docs(folder: Path) -> Path:
+    """Short repetitive documents: the loss falls fast, so random tokens stand out."""
+    corpus = folder / "short_docs.jsonl"
+    words = ["alpha", "beta", "gamma", "delta", "x", "y", "return", "if"]
+    lines = [" ".join(words[(i + j) % 8] for j in range(3 + i % 17)) for i in range(400)]
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    return corpus
+
+
+def full_disk(dump: Path) -> list | None:
+    dump.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(dump)],
+                      capture_output=True).returncode:  # fmt: skip
+        return None
+    try:
+        cmd = [sys.executable, "train.py", *RUN, "--job.dump_folder", str(dump)]
+        start = time.time()
+        code, seen, out = watch(
+            cmd, {"warned": r"needs about", "detected": r"could not be written"}
+        )
+        kept = sorted(p.name for p in (dump / "checkpoint").iterdir())
+    finally:
+        subprocess.run(["umount", str(dump)], check=True)
+    line = re.search(r"checkpoint step \d+ could not be written to \S+ it needs about [^)]*\)", out)
+    return ["the disk fills during a save (100 MiB tmpfs, 64 MiB checkpoints)",
+            f"a warning before the save, then '{line.group(0) if line else 'no error'}'; exit "
+            f"{code}", f"{seen['detected'] - seen['warned']:.1f} s after the warning "
+            f"({seen['detected'] - start:.1f} s into the run)",
+            f"nothing saved: kept {', '.join(kept)}; the steps since it"]  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--train_timeout", type=int, default=10, help="comm.train_timeout_seconds")
+    ap.add_argument("--only", nargs="+", default=["kill", "stop", "junk", "full"],
+                    choices=["kill", "stop", "junk", "full"])  # fmt: skip
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fault_drill_") as tmp:
+        for name in a.only:
+            dump = Path(tmp) / name
+            if name in ("kill", "stop"):
+                rows.append(lost_rank(name, a.ranks, a.train_timeout, dump))
+            elif name == "junk":
+                rows.append(junk(a.ranks, dump))
+            elif (row := full_disk(dump)) is not None:
+                rows.append(row)
+            else:
+                print("full: left out (cannot mount a tmpfs here)", file=sys.stderr)
+            shutil.rmtree(dump, ignore_errors=True)
+    print("| fault | what titanlite does | time to detect | what is lost |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
