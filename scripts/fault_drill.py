@@ -87,7 +87,8 @@ def junk(ranks: int, dump: Path) -> list:
 
 
 def short_docs(folder: Path) -> Path:
-    """Short repetitive documents: the loss falls fast, so random tokens stand out."""
+    """Documents of 3-20 tokens from 8 words (the parity tests' too): a 32-token row packs
+    several, and the loss falls fast, so random tokens stand out."""
     corpus = folder / "short_docs.jsonl"
     words = ["alpha", "beta", "gamma", "delta", "x", "y", "return", "if"]
     lines = [" ".join(words[(i + j) % 8] for j in range(3 + i % 17)) for i in range(400)]

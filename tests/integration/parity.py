@@ -1,24 +1,19 @@
 """What the parity tests share: the tiny fp32 run, its per-step curves, the comparison with one
 process, and one launch per world size for a set of runs."""
 
-import json
+import sys
 from pathlib import Path
 
-from conftest import TINY_TRAIN, read_jsonl, train_many
+from conftest import REPO, TINY_TRAIN, read_jsonl, train_many
+
+sys.path.insert(0, str(REPO / "scripts"))
+# Documents of 3-20 tokens: every 32-token row packs several, and the loss falls fast.
+from fault_drill import short_docs  # noqa: E402
 
 # The tiny run, fp32 so layouts are comparable to rounding. The global batch is fixed, so each
 # layout splits the same 8 rows differently (1 proc: 4 microbatches of 2). Every layout also
 # logs its per-block grad norms, checked against one process's at no extra launch.
 BASE = [*TINY_TRAIN, "--training.steps", "8", "--metrics.log_layer_grad_norms"]
-
-
-def short_docs(folder: Path) -> Path:
-    """Documents of 3-20 tokens, so every 32-token row packs several."""
-    corpus = folder / "short_docs.jsonl"
-    words = ["alpha", "beta", "gamma", "delta", "x", "y", "return", "if"]
-    docs = [" ".join(words[(i + j) % 8] for j in range(3 + i % 17)) for i in range(400)]
-    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return corpus
 
 
 def masked_runs(folder: Path) -> tuple[list, list]:
