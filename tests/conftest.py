@@ -217,3 +217,26 @@ class Terminal(io.StringIO):
 
     def isatty(self):
         return True
+
+
+def config_error(argv) -> str:
+    """The ConfigError parse_args(argv) raises, as text."""
+    from titanlite.config import ConfigError
+    from titanlite.config_parse import parse_args
+
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    return str(info.value)
+
+
+def load_dcp_model(model, step_dir: Path):
+    """`model` (one plain process) with the weights of the DCP checkpoint `step_dir`."""
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.checkpoint.stream import single_process_quietly
+
+    weights = model.state_dict()
+    with single_process_quietly():
+        dcp.load({"model": weights}, checkpoint_id=str(step_dir), no_dist=True)
+    model.load_state_dict(weights)
+    return model

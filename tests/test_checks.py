@@ -5,17 +5,12 @@ import sys
 
 import pytest
 import torch
+from conftest import config_error
 
 from titanlite.checks import check_job, check_offload_device, resolve_global_batch
 from titanlite.config import ConfigError, Parallelism, Training
 from titanlite.config_parse import parse_args
 from titanlite.parallel_dims import ParallelDims
-
-
-def error(argv):
-    with pytest.raises(ConfigError) as info:
-        parse_args(argv)
-    return str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +44,7 @@ def error(argv):
     ],
 )  # fmt: skip
 def test_options_that_contradict_each_other(argv, expected):
-    assert expected in error(argv)
+    assert expected in config_error(argv)
 
 
 def test_wandb_without_the_package_is_one_line_before_anything_is_built(monkeypatch, capsys):
@@ -57,7 +52,7 @@ def test_wandb_without_the_package_is_one_line_before_anything_is_built(monkeypa
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # how import sees a package not installed
     message = "metrics.enable_wandb needs the wandb package: pip install wandb"
-    assert message in error(["--metrics.enable_wandb"])
+    assert message in config_error(["--metrics.enable_wandb"])
     assert train.main(["--metrics.enable_wandb"]) == 2  # parse time: no process group, no model
     assert capsys.readouterr().err.startswith(f"titanlite: error: {message}")
     parse_args(["--no-metrics.enable_wandb"])  # off, the package is not needed

@@ -4,9 +4,10 @@ that names the fix; --help; the TOML dump read back."""
 import dataclasses
 
 import pytest
+from conftest import config_error
 
 from titanlite import config_parse
-from titanlite.config import ConfigError, DataLoader, JobConfig
+from titanlite.config import DataLoader, JobConfig
 from titanlite.config_parse import dump_toml, format_help, parse_args
 
 
@@ -14,12 +15,6 @@ def write(tmp_path, text, name="job.toml"):
     path = tmp_path / name
     path.write_text(text)
     return path
-
-
-def error(argv):
-    with pytest.raises(ConfigError) as info:
-        parse_args(argv)
-    return str(info.value)
 
 
 def test_toml_then_cli_precedence(tmp_path):
@@ -74,7 +69,7 @@ def test_bare_config_name_found_in_train_configs(tmp_path, monkeypatch):
 
 def test_missing_config_file_names_places(tmp_path, monkeypatch):
     monkeypatch.setattr(config_parse, "CONFIG_DIR", tmp_path)
-    msg = error(["--job.config_file", "nope.toml"])
+    msg = config_error(["--job.config_file", "nope.toml"])
     assert "nope.toml" in msg and str(tmp_path / "nope.toml") in msg
 
 
@@ -85,44 +80,44 @@ def test_torchtitan_spellings():
     cfg = parse_args(["--lr-scheduler.warmup-steps", "7", "--parallelism.disable_loss_parallel"])
     assert cfg.lr_scheduler.warmup_steps == 7 and cfg.parallelism.disable_loss_parallel
     assert parse_args(["--debug.seed", "5", "--debug.deterministic"]).debug.seed == 5
-    assert "only applies to bool" in error(["--training.no_steps"])
+    assert "only applies to bool" in config_error(["--training.no_steps"])
 
 
 def test_unknown_cli_option_suggests():
-    msg = error(["--training.stpes", "10"])
+    msg = config_error(["--training.stpes", "10"])
     assert "--training.stpes" in msg and "did you mean --training.steps?" in msg
-    assert "did you mean --training.steps" in error(["--trainig.steps", "10"])
-    assert "did you mean --no-compile.enable?" in error(["--no-compile.enabel"])
-    msg = error(["--seq_len", "10"])  # section left out
+    assert "did you mean --training.steps" in config_error(["--trainig.steps", "10"])
+    assert "did you mean --no-compile.enable?" in config_error(["--no-compile.enabel"])
+    msg = config_error(["--seq_len", "10"])  # section left out
     assert "--training.seq_len" in msg
 
 
 def test_moved_options_name_their_new_place(tmp_path):
-    assert error(["--training.seed", "3"]).endswith("it is now debug.seed")
+    assert config_error(["--training.seed", "3"]).endswith("it is now debug.seed")
     path = write(tmp_path, "[parallelism]\nenable_loss_parallel = true\n")
-    assert "it is now parallelism.disable_loss_parallel (inverted" in error(
+    assert "it is now parallelism.disable_loss_parallel (inverted" in config_error(
         ["--job.config_file", str(path)]
     )
 
 
 def test_unknown_toml_section_and_key_suggest(tmp_path):
     path = write(tmp_path, "[trainig]\nsteps = 3\n")
-    msg = error(["--job.config_file", str(path)])
+    msg = config_error(["--job.config_file", str(path)])
     assert "unknown section [trainig]" in msg and "did you mean training?" in msg
     path = write(tmp_path, "[training]\nstpes = 3\n")
-    msg = error(["--job.config_file", str(path)])
+    msg = config_error(["--job.config_file", str(path)])
     assert str(path) in msg and "training.stpes" in msg and "did you mean training.steps?" in msg
     path = write(tmp_path, "seq_len = 3\n")
-    assert "training.seq_len" in error(["--job.config_file", str(path)])
+    assert "training.seq_len" in config_error(["--job.config_file", str(path)])
 
 
 def test_wrong_type_cli():
-    assert error(["--training.steps", "ten"]) == "--training.steps expects an int, got 'ten'"
-    assert "--optimizer.lr expects a float, got 'fast'" in error(["--optimizer.lr=fast"])
-    assert "--compile.enable expects a bool" in error(["--compile.enable=maybe"])
-    assert "--training.seq_len needs a value" in error(["--training.seq_len"])
-    assert "only applies to bool" in error(["--no-training.steps"])
-    assert "unexpected argument 'extra'" in error(["extra"])
+    assert config_error(["--training.steps", "ten"]) == "--training.steps expects an int, got 'ten'"
+    assert "--optimizer.lr expects a float, got 'fast'" in config_error(["--optimizer.lr=fast"])
+    assert "--compile.enable expects a bool" in config_error(["--compile.enable=maybe"])
+    assert "--training.seq_len needs a value" in config_error(["--training.seq_len"])
+    assert "only applies to bool" in config_error(["--no-training.steps"])
+    assert "unexpected argument 'extra'" in config_error(["extra"])
 
 
 def test_wrong_type_toml(tmp_path):
@@ -136,14 +131,14 @@ def test_wrong_type_toml(tmp_path):
         ("training = 3\n", "training must be a [training] table"),
         ("[training\n", "invalid TOML"),
     ]:
-        assert expected in error(["--job.config_file", str(write(tmp_path, text))])
+        assert expected in config_error(["--job.config_file", str(write(tmp_path, text))])
 
 
 def test_bad_choice_lists_allowed_values(tmp_path):
-    msg = error(["--lr_scheduler.decay_type", "exp"])
+    msg = config_error(["--lr_scheduler.decay_type", "exp"])
     assert "--lr_scheduler.decay_type" in msg and "linear, sqrt, cosine" in msg and "'exp'" in msg
     path = write(tmp_path, "[optimizer]\nimplementation = 'loop'\n")
-    assert "foreach, fused, for-loop" in error(["--job.config_file", str(path)])
+    assert "foreach, fused, for-loop" in config_error(["--job.config_file", str(path)])
 
 
 @pytest.mark.parametrize(
@@ -163,12 +158,12 @@ def test_bad_choice_lists_allowed_values(tmp_path):
     ],
 )
 def test_range_checks(argv, expected):
-    assert expected in error(argv)
+    assert expected in config_error(argv)
 
 
 def test_range_checked_in_toml(tmp_path):
     path = write(tmp_path, "[training]\nsteps = 0\n")
-    assert "training.steps must be >= 1" in error(["--job.config_file", str(path)])
+    assert "training.steps must be >= 1" in config_error(["--job.config_file", str(path)])
     assert parse_args(["--validation.holdout_fraction", "0"]).validation.holdout_fraction == 0.0
 
 
@@ -214,10 +209,10 @@ def test_dump_then_load_round_trip(tmp_path):
 
 
 def test_list_items_are_checked_against_the_choices(tmp_path):
-    msg = error(["--checkpoint.exclude_from_loading", "optimizer,model"])
+    msg = config_error(["--checkpoint.exclude_from_loading", "optimizer,model"])
     assert "'model'" in msg and "optimizer, lr_scheduler, dataloader, train_state" in msg
     path = write(tmp_path, "[checkpoint]\nexclude_from_loading = ['rng']\n")
-    assert "'rng'" in error(["--job.config_file", str(path)])
+    assert "'rng'" in config_error(["--job.config_file", str(path)])
     assert parse_args(["--checkpoint.exclude_from_loading", "dataloader"]).checkpoint
 
 
@@ -251,7 +246,7 @@ def test_nested_table_training_dataloader(tmp_path):
     ],
 )  # fmt: skip
 def test_nested_table_mistakes_in_toml(tmp_path, text, expected):
-    assert expected in error(["--job.config_file", str(write(tmp_path, text))])
+    assert expected in config_error(["--job.config_file", str(write(tmp_path, text))])
 
 
 @pytest.mark.parametrize(
@@ -264,5 +259,5 @@ def test_nested_table_mistakes_in_toml(tmp_path, text, expected):
     ],
 )  # fmt: skip
 def test_dataloader_mistakes_are_one_line(argv, expected):
-    msg = error(argv)
+    msg = config_error(argv)
     assert expected in msg and "\n" not in msg

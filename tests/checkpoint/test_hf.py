@@ -8,14 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from conftest import TINY_TRAIN, read_jsonl, run_train, torchrun_script
+from conftest import TINY_TRAIN, load_dcp_model, read_jsonl, run_train, torchrun_script
 from safetensors.torch import load_file, save_file
 
 import train
 from titanlite.build import model_args_for
 from titanlite.checkpoint import MARKER
-from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.hf import to_hf, write_hf_config
@@ -32,14 +30,6 @@ def tiny_model() -> Transformer:
     """The plain one-process model of the tiny runs' config."""
     cfg = parse_args(TINY_TRAIN)
     return Transformer(model_args_for(cfg, build_tokenizer(cfg.model))).eval()
-
-
-def load_dcp_model(model: Transformer, step_dir: Path) -> Transformer:
-    weights = model.state_dict()
-    with single_process_quietly():
-        dcp.load({"model": weights}, checkpoint_id=str(step_dir), no_dist=True)
-    model.load_state_dict(weights)
-    return model
 
 
 def first_loss(dump: Path) -> float:

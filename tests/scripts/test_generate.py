@@ -9,12 +9,10 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from conftest import REPO, TINY_TRAIN, torchrun_script
+from conftest import REPO, TINY_TRAIN, load_dcp_model, torchrun_script
 
 import train
 from titanlite.build import model_args_for
-from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models.llama.args import get_model_args
@@ -58,11 +56,7 @@ def argmax_tokens(config, step_dir, prompt_ids, n) -> list[int]:
     tokenizer = build_tokenizer(cfg.model)
     args = model_args_for(cfg, tokenizer)
     args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, len(prompt_ids) + n))
-    model = Transformer(args).eval()
-    weights = model.state_dict()
-    with single_process_quietly():
-        dcp.load({"model": weights}, checkpoint_id=str(step_dir), no_dist=True)
-    model.load_state_dict(weights)
+    model = load_dcp_model(Transformer(args).eval(), step_dir)
     tokens = list(prompt_ids)
     with torch.no_grad():
         for _ in range(n):
