@@ -320,8 +320,9 @@ class Trainer:
         # stepped in backward, never trained on or saved). CPU offload: the norm is on the CPU.
         flags = [grad_norm.isfinite().to(device, non_blocking=True), stop_votes > 0]
         if self.cfg.training.loss_spike_factor > 0:  # the global loss, read in the same sync
-            flags.append(dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens)
-        finite, stop, *loss = torch.stack([f.double() for f in flags]).tolist()
+            loss = dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens
+            flags = [f.to(loss.dtype) for f in flags] + [loss]
+        finite, stop, *loss = torch.stack(flags).tolist()
         spike = finite and loss and skips_loss_spike(loss[0], self.state, self.cfg, self.loader)
         t_optimizer, optimizer_seconds = time.perf_counter(), None
         if finite and not spike:

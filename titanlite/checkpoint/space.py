@@ -10,10 +10,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from torch.distributed.tensor import DTensor
-
 from titanlite.checkpoint.layout import rank, read_marker, scan_checkpoints, world_size
 from titanlite.checkpoint.plan import CheckpointError
+from titanlite.distributed import local_value
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +32,7 @@ def _local_bytes(tree) -> int:
         return sum(_local_bytes(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
         return sum(_local_bytes(v) for v in tree)
-    if isinstance(tree, DTensor):
-        tree = tree.to_local()
-    return getattr(tree, "nbytes", 0)
+    return getattr(local_value(tree), "nbytes", 0)
 
 
 def free_bytes(folder: Path) -> int:
