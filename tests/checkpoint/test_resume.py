@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TINY_TRAIN, assert_nested_equal, read_jsonl, run_train, train_many
+from integration.parity import one_microbatch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titanlite.checkpoint import scan_checkpoints
@@ -30,18 +31,22 @@ TINY = [
     "--checkpoint.interval", "6",
     "--training.steps", "12",
 ]  # fmt: skip
-# (nproc, extra args); local batch 2 everywhere, so the global batch of 8 is 1-4 microbatches.
+# (nproc, extra args). The global batch of 8 is 1-4 microbatches, so a resume may also change the
+# accumulation: local batch 2, except that layouts with TP or CP take a rank's whole share in one
+# microbatch (their collectives per microbatch are most of a step's time on 2 cores) and, with
+# PP, in one schedule run of 2-row pipeline microbatches.
+PP_WHOLE_BATCH = [*one_microbatch(1), "--parallelism.pipeline_parallel_microbatch_size", "2"]
 LAYOUTS = {
     "one": (1, []),
     "fsdp2": (2, []),
     "fsdp4": (4, []),
-    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
-    "cp2_fsdp2": (4, ["--parallelism.context_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", *one_microbatch(2)]),
+    "cp2_fsdp2": (4, ["--parallelism.context_parallel_degree", "2", *one_microbatch(2)]),
     "pp2_fsdp2": (4, ["--parallelism.pipeline_parallel_degree", "2"]),
     "pp2_tp2": (4, ["--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.tensor_parallel_degree", "2"]),
+                    "--parallelism.tensor_parallel_degree", "2", *PP_WHOLE_BATCH]),
     "pp2_cp2": (4, ["--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.context_parallel_degree", "2"]),
+                    "--parallelism.context_parallel_degree", "2", *PP_WHOLE_BATCH]),
 }  # fmt: skip
 
 

@@ -16,6 +16,14 @@ from fault_drill import short_docs  # noqa: E402
 BASE = [*TINY_TRAIN, "--training.steps", "8", "--metrics.log_layer_grad_norms"]
 
 
+def one_microbatch(dp: int) -> list[str]:
+    """A rank's whole share of the global batch of 8 in one microbatch: TP and CP run some 60
+    collectives per microbatch, each costing milliseconds among 4 processes on 2 cores. Layouts
+    that keep 2-row microbatches cover gradient accumulation under TP and CP (in
+    test_parallel_numerics.py: FSDP 2 x TP 2 and the masked CP 2 x FSDP 2)."""
+    return ["--training.local_batch_size", str(8 // dp)]
+
+
 def masked_runs(folder: Path) -> tuple[list, list]:
     """(document-masked, plain causal) args of 4-step runs on short documents (written to
     `folder`): ragged documents cross every row, chunk and pipeline-microbatch border."""

@@ -13,11 +13,13 @@ from integration.parity import (
     curves,
     launch,
     masked_runs,
+    one_microbatch,
 )
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
+
 # name: (ranks, args, relative tolerance on every step's loss and grad norm).
 LAYOUTS = {
     "fsdp4": (4, ["--parallelism.data_parallel_shard_degree", "4"], 1e-4),
@@ -25,6 +27,7 @@ LAYOUTS = {
     # Gathered logits and a plain CE (loss parallel off), then loss parallel (on by default).
     "tp4": (4, [
         "--parallelism.tensor_parallel_degree", "4", "--parallelism.disable_loss_parallel",
+        *one_microbatch(1),
     ], 1e-4),
     "fsdp2xtp2_loss_parallel": (4, [
         "--parallelism.data_parallel_shard_degree", "2",
@@ -34,19 +37,19 @@ LAYOUTS = {
     "fsdp2xtp2_chunked_loss": (4, [
         "--parallelism.data_parallel_shard_degree", "2",
         "--parallelism.tensor_parallel_degree", "2",
-        "--loss.chunk_tokens", "24",
+        "--loss.chunk_tokens", "24", *one_microbatch(2),
     ], 1e-4),
     # Context parallelism (Llama 3's all-gathered K/V over load-balanced chunks): measured within
     # 2e-7 of one process (loss and grad norm, 8 fp32 steps), so held to 1e-5: a layout must
     # not be a numerical approximation of one process.
-    "cp4": (4, ["--parallelism.context_parallel_degree", "4"], 1e-5),
+    "cp4": (4, ["--parallelism.context_parallel_degree", "4", *one_microbatch(1)], 1e-5),
     "cp2xfsdp2": (4, [
         "--parallelism.context_parallel_degree", "2",
-        "--parallelism.data_parallel_shard_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "2", *one_microbatch(2),
     ], 1e-5),
     "cp2xtp2": (4, [
         "--parallelism.context_parallel_degree", "2",
-        "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.tensor_parallel_degree", "2", *one_microbatch(1),
     ], 1e-5),
     }  # fmt: skip
 # FSDP 2 x TP 2 starts from the seed checkpoint (test below): since the init is layout-invariant,
@@ -76,7 +79,7 @@ def runs(tmp_path_factory):
            for name, (n, args, _) in LAYOUTS.items()},
         "mask_fsdp2xtp2": (4, [*masked, *FSDP2_TP2, "--activation_checkpoint.mode", "selective",
                                "--loss.chunk_tokens", "24"]),
-        "mask_cp2xfsdp2": (4, [*masked, *LAYOUTS["cp2xfsdp2"][1]]),
+        "mask_cp2xfsdp2": (4, [*masked, *LAYOUTS["cp2xfsdp2"][1][:4]]),
         "bf16_fsdp4": (4, [*bf16, *LAYOUTS["fsdp4"][1]]),
     }  # fmt: skip
     return launch(out, jobs)
