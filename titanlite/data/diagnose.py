@@ -165,9 +165,12 @@ def _document(path: Path):
         return None
 
 
+_JSON_KINDS = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+
+
 def _row(row, text_column: str, where: str) -> Row:
     if not isinstance(row, dict):
-        return None, f"{where}: a JSON {type(row).__name__}, not an object"
+        return None, f"{where}: a JSON {_JSON_KINDS.get(type(row), 'null')}, not an object"
     return _text(row.get(text_column), text_column, where, f"keys: {sorted(row)[:8]}")
 
 
@@ -175,7 +178,7 @@ def _text(text, text_column: str, where: str, missing: str) -> Row:
     if text is None:
         return None, f"{where}: no {text_column!r} ({missing})"
     if not isinstance(text, str):
-        return None, f"{where}: {text_column!r} is a {type(text).__name__}, not a string"
+        return None, f"{where}: {text_column!r} is {text!r:.40} ({type(text).__name__}), not text"
     return text, None
 
 

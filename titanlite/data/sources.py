@@ -103,7 +103,7 @@ class DocumentStream:
                     raise _missing_column(self.where, column, list(example))
                 text = example[column]
                 if not isinstance(text, str):  # None: datasets' filling of a missing column
-                    what = f"a {type(text).__name__}" if text is not None else "null or missing"
+                    what = type(text).__name__ if text is not None else "null or missing"
                     raise _not_text(self.where, files, self.builder, column, what)
                 if text:
                     yield text
