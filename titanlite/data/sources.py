@@ -17,6 +17,7 @@ Three kinds of source:
 import glob
 import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -237,9 +238,17 @@ def _load_dataset(path, name, data_files, split, streaming, **kwargs):
     )
 
 
+def _drop_parse_log(record: logging.LogRecord) -> bool:
+    """datasets logs its half of a JSON parse failure ('... in row 60', counted from 0 within a
+    block) above the error that names the file and line (`data_error`): leave that one line."""
+    return not record.getMessage().startswith("Failed to load JSON from file")
+
+
 def open_local(files: list[Path], builder: str, text_column: str, streaming: bool = False):
     """`datasets`' reading of local files (map-style: fast memory-mapped Arrow; or streaming,
     one stream shard per file), a failure named by file and line."""
+    # addFilter keeps one copy of a filter, however often this runs.
+    logging.getLogger("datasets.packaged_modules.json.json").addFilter(_drop_parse_log)
     # .txt: one document per file (datasets' default would make every LINE a document).
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     try:
