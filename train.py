@@ -363,6 +363,8 @@ class Trainer:
         )
         values.update(self.prediction)
         self.prediction = {}
+        if (skipped := self.loader.skipped_rows()) is not None:  # training.dataset_max_bad_rows
+            values["data/skipped_rows"] = skipped
         step_s, data_s = window.seconds / window.steps, window.data_seconds / window.steps
         values.update(self.slow_ranks.report(step_s, data_s, out.optimizer_seconds))
         if out.block_norms is not None:  # one read for them all
@@ -428,6 +430,12 @@ def main(argv=None) -> int:
         logger.error("%s", e)
         destroy(barrier=False)
         return 4
+    except ConfigError as e:
+        # Bad data that a rank met while training (its share of a stream): said by the ranks
+        # that read it; the others wait in a collective until torchrun stops them.
+        print(f"titanlite: error: {e}", file=sys.stderr)
+        destroy(barrier=False)
+        return 2
     # Only on exits every rank takes together: teardown has barriers that a crashed peer would
     # hang; after an unexpected error the process just dies and torchrun stops the others.
     trainer.close(code)

@@ -9,9 +9,12 @@ Faults (scripts/fault_inject.py injects them as step 5 starts; checkpoints every
   1`: detected = the peer's one-line error, back = the restarted job's first step;
 - junk: a batch of random tokens on every rank at step 7, with the loss spike guard on
   (skip);
-- full: the disk fills during a save (a 100 MiB tmpfs; needs root to mount, else left out).
-Times are seconds from the fault (the moment the injector wrote down) to what followed, read
-from the run's output as it arrives. Prints a Markdown table.
+- full: the disk fills during a save (a 100 MiB tmpfs; needs root to mount, else left out);
+- bad: malformed JSON lines in a local corpus (lines 30 and 100), once read whole into the token
+  cache (the default: the first stops the run), once streamed with
+  --training.dataset_max_bad_rows 1 (the first skipped and counted, the second stops it).
+Times are seconds from the fault (the moment the injector wrote down; for bad data, the launch)
+to what followed, read from the run's output as it arrives. Prints a Markdown table.
 """
 
 import argparse
@@ -36,14 +39,15 @@ JUNK_STEP = 7  # after six steps on short documents, whose loss falls fast
 
 
 def watch(cmd: list, patterns: dict) -> tuple[int, dict, str]:
-    """Run `cmd`; (exit code, first arrival time of a line matching each pattern, output)."""
+    """Run `cmd`; (exit code, arrival time of a line matching each pattern, output): the first
+    one, or the last for a name starting with "last"."""
     seen, out = {}, []
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
     for line in proc.stdout:
         out.append(line)
         for name, pattern in patterns.items():
-            if name not in seen and re.search(pattern, line):
+            if (name not in seen or name.startswith("last")) and re.search(pattern, line):
                 seen[name] = time.time()
     return proc.wait(), seen, "".join(out)
 
@@ -96,6 +100,39 @@ def short_docs(folder: Path) -> Path:
     return corpus
 
 
+BAD_LINES = (30, 100)
+
+
+def bad_rows(dump: Path) -> list:
+    corpus = dump.parent / "bad_docs.jsonl"
+    lines = short_docs(dump.parent).read_text().splitlines(keepends=True)
+    for n in BAD_LINES:
+        lines[n - 1] = '{"text": "cut short\n'
+    corpus.write_text("".join(lines))
+    cmd = [sys.executable, "train.py", *RUN, "--training.dataset", "local",
+           "--training.dataset_path", str(corpus),
+           "--training.data_cache_dir", str(dump / "c")]  # fmt: skip
+    skip = ["--training.dataset_streaming", "--training.dataset_max_bad_rows", "1"]
+    said, times = [], []
+    # From the data's first read (the cache is built) or the last step before the one whose
+    # rows reach the bad line.
+    for name, extra, since in (("cache", [], r"INFO tokenizing "), ("stream", skip, r"INFO step ")):
+        code, seen, out = watch([*cmd, *extra, "--job.dump_folder", str(dump / name)],
+                                {"last": since, "detected": r"titanlite: error: "})  # fmt: skip
+        logged = re.findall(r"INFO step +(\d+) .*skipped_rows (\d+)", out)
+        line = re.search(r"^titanlite: error: \S+?(:\d+: not valid JSON).*?(: bad row .*)?$",
+                         out, re.M)  # fmt: skip
+        counted = f", after steps logging skipped_rows {logged[0][1]}" if logged else ""
+        said.append(f"'{line.group(1)} ...{line.group(2) or ''}'{counted}; exit {code}"
+                    if line else f"no error; exit {code}")  # fmt: skip
+        when = f"in step {int(logged[-1][0]) + 1}" if logged else "from reading the data"
+        times.append(f"{seen['detected'] - seen['last']:.1f} s ({when})")
+    return [f"malformed JSON at lines {BAD_LINES[0]} and {BAD_LINES[1]} of a local corpus, "
+            "1 process: read into the token cache / streamed with max_bad_rows 1",
+            " / ".join(said), " / ".join(times),
+            "nothing: no step trains on a bad row"]  # fmt: skip
+
+
 def full_disk(dump: Path) -> list | None:
     dump.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(dump)],
@@ -122,8 +159,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--train_timeout", type=int, default=10, help="comm.train_timeout_seconds")
-    ap.add_argument("--only", nargs="+", default=["kill", "stop", "junk", "full"],
-                    choices=["kill", "stop", "junk", "full"])  # fmt: skip
+    ap.add_argument("--only", nargs="+", default=["kill", "stop", "junk", "full", "bad"],
+                    choices=["kill", "stop", "junk", "full", "bad"])  # fmt: skip
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="fault_drill_") as tmp:
@@ -133,6 +170,8 @@ def main() -> int:
                 rows.append(lost_rank(name, a.ranks, a.train_timeout, dump))
             elif name == "junk":
                 rows.append(junk(a.ranks, dump))
+            elif name == "bad":
+                rows.append(bad_rows(dump))
             elif (row := full_disk(dump)) is not None:
                 rows.append(row)
             else:

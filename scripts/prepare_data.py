@@ -4,7 +4,8 @@
         --training.dataset c4 --model.tokenizer_path tokenizer.model
     python train.py --training.dataset_path /data/c4_llama3 --model.tokenizer_path tokenizer.model
 
-Takes train.py's options (only model.* tokenizer fields, training.dataset*,
+Takes train.py's options (only model.* tokenizer fields, training.dataset* (with
+training.dataset_max_bad_rows bad rows are skipped, their count kept in the store's manifest),
 training.data_cache_dir and validation.dataset_path matter) plus:
   --workers W   tokenizing processes (default: the CPU count); the store is the same for any W
   --out DIR     where to write the store; train with --training.dataset_path DIR. Without it the
@@ -22,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from titanlite.config import ConfigError  # noqa: E402
+from titanlite.checks import check_writable  # noqa: E402
+from titanlite.config import ConfigError, Training  # noqa: E402
 from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.data.cache import cache_dir  # noqa: E402
 from titanlite.data.sources import (  # noqa: E402
@@ -31,6 +33,7 @@ from titanlite.data.sources import (  # noqa: E402
     build_source,
     expand_paths,
     local_source,
+    open_local,
     stdlib_files,
 )
 from titanlite.data.store import MANIFEST, TokenStore, is_store  # noqa: E402
@@ -39,20 +42,20 @@ from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 from titanlite.progress import Progress  # noqa: E402
 
 
-def expected_documents(dataset: str, dataset_path: str) -> int | None:
+def expected_documents(t: Training) -> int | None:
     """The source's row count where it is known without tokenizing, for the time left (an upper
-    bound: empty texts are skipped); None for a hub stream."""
-    if dataset_path:
-        files = expand_paths(dataset_path)
+    bound: empty texts are skipped); None for a hub stream, or for files read row by row
+    (training.dataset_max_bad_rows), which would be read twice."""
+    if t.dataset_path:
+        files = expand_paths(t.dataset_path)
         builder = _pick_builder(files)
         if builder == "text":  # one document per file
             return len(files)
-        import datasets  # the same map-style load the source itself reads (Arrow cache reused)
-
-        return len(
-            datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
-        )
-    if dataset in HUB_DATASETS:
+        if t.dataset_max_bad_rows:
+            return None
+        # The same map-style load the source itself reads (Arrow cache reused).
+        return len(open_local(files, builder, t.dataset_text_column))
+    if t.dataset in HUB_DATASETS:
         return None
     return len(stdlib_files()[1])
 
@@ -117,14 +120,18 @@ def _main(argv: list[str]) -> int:
     if is_store(t.dataset_path):
         raise SystemExit(f"{t.dataset_path} is already prepared: train with it as dataset_path")
     tokenizer = build_tokenizer(cfg.model)
-    source = build_source(t.dataset, t.dataset_path, t.dataset_text_column)
+    source = build_source(
+        t.dataset, t.dataset_path, t.dataset_text_column, max_bad_rows=t.dataset_max_bad_rows
+    )
     if source.streaming and not args.out:
         print(f"{t.dataset} is streamed and tokenized during training; to prepare it, add --out")
         return 0
     out = (
         Path(args.out).expanduser() if args.out else cache_dir(source, tokenizer, t.data_cache_dir)
     )
-    expected = expected_documents(t.dataset, t.dataset_path)
+    # The store is built beside `out` and renamed into place.
+    check_writable(f"{'--out' if args.out else 'the token cache'} {out}: its folder", out.parent)
+    expected = expected_documents(t)
     prepare(source, tokenizer, out, args.workers, expected)
     if cfg.validation.dataset_path:
         val = local_source(cfg.validation.dataset_path, t.dataset_text_column)

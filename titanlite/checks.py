@@ -71,6 +71,11 @@ def check_options(cfg: JobConfig) -> None:
             "validation of a streamed training.dataset_path needs validation.dataset_path: a "
             "stream has no end to hold out from"
         )
+    if t.dataset_max_bad_rows and (t.dataset in HUB_DATASETS or not t.dataset_path):
+        raise ConfigError(
+            "training.dataset_max_bad_rows skips bad rows of local files: set "
+            "training.dataset_path (hub datasets and python_stdlib are read as they come)"
+        )
     dl = t.dataloader
     if dl.num_workers == 0 and (dl.persistent_workers or dl.prefetch_factor):
         raise ConfigError(  # torch's DataLoader refuses them too without workers
@@ -354,12 +359,17 @@ def check_output_folders(cfg: JobConfig) -> None:
         cache = "the token cache (training.data_cache_dir or TITANLITE_CACHE)"
         folders[cache] = cache_root(t.data_cache_dir)
     for what, folder in folders.items():
-        try:
-            folder.expanduser().mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder.expanduser()):
-                pass
-        except OSError as e:
-            raise ConfigError(
-                f"{what} {folder} cannot be created or written ({e.strerror or e}): "
-                "pick a folder this user can write"
-            ) from e
+        check_writable(what, folder)
+
+
+def check_writable(what: str, folder: Path) -> None:
+    """`folder` exists or can be made, and takes a file; else one line naming it."""
+    try:
+        folder.expanduser().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder.expanduser()):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {folder} cannot be created or written ({e.strerror or e}): "
+            "pick a folder this user can write"
+        ) from e

@@ -122,6 +122,12 @@ class Training:
         False, "Stream dataset_path's files, each dp rank reading its share (hub: always)"
     )
     dataset_text_column: str = opt("text", "Column holding the document text")
+    dataset_max_bad_rows: int = opt(
+        0,
+        "Bad rows of dataset_path (malformed JSON, no text) to skip, counted in the log, before "
+        "the run stops (0 = stop at the first)",
+        ge=0,
+    )
     data_cache_dir: str = opt("", "Token cache ('' = $TITANLITE_CACHE or ~/.cache/titanlite)")
     data_build_timeout_s: float = opt(
         3600.0, "Seconds ranks other than 0 wait for rank 0 to tokenize into the cache", ge=0

@@ -307,6 +307,7 @@ _CONSOLE = (
     ("memory_gib", "mem", "{:.2f}GiB"),
     ("memory_active_gib", "active", "{:.2f}GiB"),
     ("data_time_pct", "data", "{:.1f}%"),
+    ("data/skipped_rows", "skipped_rows", "{:,.0f}"),
     ("val_loss", "val_loss", "{:.4f}"),
     ("val_ppl", "val_ppl", "{:.2f}"),
 )

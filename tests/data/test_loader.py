@@ -1,10 +1,11 @@
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from titanlite.config import Training, Validation
+from titanlite.config import ConfigError, Training, Validation
 from titanlite.data import sources
 from titanlite.data.cache import prepare_token_cache
 from titanlite.data.loader import build_validation_loader
@@ -190,3 +191,29 @@ def test_python_stdlib_default(tmp_path, train_loader):
     assert tokens.shape == (4, 256) and int(tokens.max()) < tok.n_words
     assert ld.num_samples > 10_000
     ld.close()
+
+
+def test_a_store_built_skipping_rows_is_judged_by_each_runs_limit(data, texts, tmp_path, tok,
+                                                                  train_loader):  # fmt: skip
+    """training.dataset_max_bad_rows 2: the store holds exactly the good documents, in order,
+    and the loader reports the 2 rows left out; the same store under a limit of 1 is refused
+    with the count and the last row, and without the option the first bad row stops."""
+    lines = data.read_text().splitlines(keepends=True)
+    lines[5:5], lines[50:50] = ['{"text": "cut\n'], ["{}\n"]  # lines 6 and 51 of the file
+    data.write_text("".join(lines))
+    cfg = tcfg(data, tmp_path, dataset_max_bad_rows=2)
+    ld = train_loader(cfg, tok)
+    assert ld.skipped_rows() == 2
+    ld.close()
+    source = build_source("local", str(data), max_bad_rows=2)
+    store = prepare_token_cache(source, tok, cfg.data_cache_dir)
+    assert not store.built and store.num_docs == len(texts)
+    assert [store.document(i).tolist() for i in (0, 5, 48)] == [
+        tok.encode(texts[i], bos=True, eos=True) for i in (0, 5, 48)
+    ]
+    with pytest.raises(ConfigError) as err:
+        train_loader(replace(cfg, dataset_max_bad_rows=1), tok)
+    assert f"was tokenized leaving out 2 bad rows (the last: {data}:51: no 'text'" in str(err.value)
+    assert "more than training.dataset_max_bad_rows = 1 allows" in str(err.value)
+    with pytest.raises(ConfigError, match=f"{data}:6: not valid JSON"):
+        train_loader(replace(cfg, dataset_max_bad_rows=0), tok)

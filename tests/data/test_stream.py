@@ -113,6 +113,43 @@ def test_resume_mid_stream_is_exact_and_rereads_at_most_a_chunk(
             assert len(counting.docs) <= bound < (k + m) * per_rank
 
 
+def test_a_streams_skipped_rows_are_counted_alike_after_a_resume(
+    tmp_path, tok, write_shards, train_loader
+):
+    """dataset_max_bad_rows on 2 dp ranks' streams: each rank counts the bad rows of its own
+    share (2 files, 3 bad lines each) as it reads them, a resume at step 5 gives the same
+    batches and counts at every step after it, and the next epoch counts nothing again."""
+    docs = write_shards(tmp_path, 4, 100)
+    for f in sorted(tmp_path.glob("*.jsonl")):
+        lines = f.read_text().splitlines(keepends=True)
+        for i in (10, 40, 70):
+            lines.insert(i, '{"text": "cut\n')
+        f.write_text("".join(lines))
+    cfg, k, m, dp = stream_cfg(tmp_path, packing=False, dataset_max_bad_rows=6), 5, 70, 2
+    for r in range(dp):
+        counting = CountingTokenizer(tok)
+        run = train_loader(cfg, counting, r, dp)
+        steps = [(run.next_step(), run.skipped_rows()) for _ in range(k + m)]
+        run.close()
+        share = docs[100 * r : 100 * r + 100] + docs[200 + 100 * r : 300 + 100 * r]
+        assert set(counting.docs) == set(share)  # the good rows of files r and r + 2
+        counts = [c for _, c in steps]
+        # 75 steps of 4 rows: one epoch of the share's 200 good rows and 6 bad ones, then half
+        # of another, which meets the same bad rows without counting them again.
+        assert counts == sorted(counts) and counts[0] > 0 and counts[-1] == 6
+        ld = train_loader(cfg, tok, r, dp)
+        for _ in range(k):
+            ld.next_step()
+        sd, stream = ld.state_dict(), ld.stream_state_dict()
+        ld.close()
+        ld = train_loader(cfg, tok, r, dp)
+        ld.load_state_dict(sd, stream)
+        for (batches, count), _ in zip(steps[k:], range(m)):
+            assert all(torch.equal(x[0], y[0]) for x, y in zip(batches, ld.next_step()))
+            assert ld.skipped_rows() == count
+        ld.close()
+
+
 def test_changed_dp_degree_is_refused_with_the_fix(tmp_path, tok, write_shards, train_loader):
     """A checkpoint of a sharded stream at dp degree 2 cannot resume at dp degree 1 (its
     per-rank positions would repeat or skip data); the error names both ways out."""

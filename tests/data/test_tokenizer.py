@@ -109,13 +109,15 @@ def test_bpe_file_changed_in_place_is_reread(tmp_path):
     assert build_tokenizer(cfg(tokenizer_path=str(path))).bos_id == 500
 
 
-def test_missing_and_bad_files(tmp_path):
-    missing = tmp_path / "nope.model"
-    with pytest.raises(ConfigError, match="nope.model"):
-        build_tokenizer(cfg(tokenizer_path=str(missing)))
+def test_missing_unreadable_and_bad_files(tmp_path):
+    """One line naming the path; a folder stands in for an unreadable file (the same OSError
+    path: the tests may run as root, whom chmod does not stop)."""
+    for unusable in (tmp_path / "nope.model", tmp_path):
+        with pytest.raises(ConfigError, match=f"tokenizer_path '{unusable}' cannot be read"):
+            build_tokenizer(cfg(tokenizer_path=str(unusable)))
     bad = tmp_path / "bad.model"
     bad.write_text("this is not a rank file\n")
-    with pytest.raises(ValueError, match="bad.model"):
+    with pytest.raises(ConfigError, match="bad.model' is not a tiktoken BPE file"):
         build_tokenizer(cfg(tokenizer_path=str(bad)))
 
 

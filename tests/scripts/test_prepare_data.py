@@ -75,7 +75,7 @@ def test_on_a_terminal_progress_lines_count_documents_against_the_expected(tmp_p
     cfg = parse_args(["--training.dataset_path", str(corpus), *TOKENIZER])
     t = cfg.training
     source = build_source(t.dataset, t.dataset_path, t.dataset_text_column)
-    expected = prepare_data.expected_documents(t.dataset, t.dataset_path)
+    expected = prepare_data.expected_documents(t)
     prepare_data.prepare(source, build_tokenizer(cfg.model), tmp_path / "out", 1, expected)
     lines = terminal.getvalue().splitlines()  # a line per shard (every_s 0)
     done = [line.split(" documents")[0].removeprefix(f"{source.name}: ") for line in lines]
@@ -120,6 +120,29 @@ def test_bad_input_is_one_line(tmp_path, args, expected):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0 and expected in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_bad_rows_and_an_unusable_out_are_one_line_or_skipped_rows_counted(tmp_path, capsys):
+    """In process (main), the bad row named by file and line, a --out under a regular file
+    named; with training.dataset_max_bad_rows the row is left out and the manifest counts it."""
+    corpus = write_corpus(tmp_path / "c.jsonl", 20)
+    with open(corpus, "a") as f:
+        f.write('{"text": "cut short\n')
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args = ["--workers", "1", "--training.dataset_path", str(corpus), *TOKENIZER]
+    for out, expected in (
+        (tmp_path / "out", f"{corpus}:21: not valid JSON"),
+        (blocker / "store", f"--out {blocker / 'store'}: its folder {blocker} cannot be created"),
+    ):
+        assert prepare_data.main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    skip_one = ["--training.dataset_max_bad_rows", "1"]
+    assert prepare_data.main([*args, "--out", str(tmp_path / "out"), *skip_one]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["num_docs"], manifest["skipped_rows"]) == (20, 1)
+    assert manifest["last_skipped_row"].startswith(f"{corpus}:21: not valid JSON")
 
 
 @pytest.fixture

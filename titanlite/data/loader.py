@@ -10,6 +10,10 @@ the global step. Validation (`ValidationLoader`): every sample of the split once
 
 Streamed sources are sharded over the dp ranks instead, and their state adds each dp rank's
 stream position (`titanlite.data.stream`).
+
+With training.dataset_max_bad_rows, bad rows of local files are left out as they are read, so
+the samples are the good rows' whatever the parallelism: a corpus tokenized into a store records
+how many (refused here if more than this run allows), a stream counts them in its position.
 """
 
 import logging
@@ -25,6 +29,7 @@ import torch
 from titanlite.config import ConfigError, DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import prepare_token_cache
+from titanlite.data.diagnose import check_skipped
 from titanlite.data.order import Microbatches, PermutedOrder, microbatch_rows
 from titanlite.data.packing import Microbatch, cached_samples, collate
 from titanlite.data.sources import TextSource, build_source, local_source
@@ -54,8 +59,10 @@ class TrainLoader:
         num_microbatches: int,
         order_state: dict,
         dataloader: DataLoader,
+        skipped_rows: int | None = None,
     ):
         self.order, self.make_batch = order, make_batch
+        self._skipped_rows = skipped_rows  # the store's; for a stream 0, its position then counts
         self.dp_rank, self.dp_degree, self.local_batch_size = dp_rank, dp_degree, local_batch_size
         self.num_microbatches = num_microbatches
         # seed, seq_len, global_batch_size, packing, num_samples, shuffle, fingerprint: saved
@@ -117,6 +124,14 @@ class TrainLoader:
             + ", ".join(map(str, samples[:shown]))
             + more
         )
+
+    def skipped_rows(self) -> int | None:
+        """Bad rows left out (None when training.dataset_max_bad_rows is off): the corpus's,
+        counted when it was tokenized, or this rank's share of a stream's so far, as of the last
+        step consumed (through the chunk of documents that step's rows came from)."""
+        if self._skipped_rows is None or not self.sharded:
+            return self._skipped_rows
+        return self._position["skipped_rows"]
 
     def state_dict(self) -> dict:
         return {"step": self._step, **self._order_state}
@@ -216,13 +231,15 @@ def _source(training: Training, validation: Validation, split: str) -> TextSourc
         return local_source(validation.dataset_path, training.dataset_text_column)
     t = training
     return build_source(
-        t.dataset, t.dataset_path, t.dataset_text_column, split, t.dataset_streaming
-    )
+        t.dataset, t.dataset_path, t.dataset_text_column, split, t.dataset_streaming,
+        t.dataset_max_bad_rows,
+    )  # fmt: skip
 
 
 def _cached_split(source, tokenizer, training: Training, validation: Validation, split: str):
-    """(get, lo, hi): cached samples [lo, hi) are `split`. Without validation.dataset_path the
-    last holdout_fraction of the samples is validation, and training never sees it."""
+    """(get, lo, hi, skipped rows): cached samples [lo, hi) are `split`. Without
+    validation.dataset_path the last holdout_fraction of the samples is validation, and training
+    never sees it."""
     own_val = split == "validation" and validation.dataset_path
     path = validation.dataset_path if own_val else training.dataset_path
     if is_store(path):  # prepared by scripts/prepare_data.py: no tokenizing at run time
@@ -230,11 +247,13 @@ def _cached_split(source, tokenizer, training: Training, validation: Validation,
     else:
         t = training
         cache = prepare_token_cache(source, tokenizer, t.data_cache_dir, t.data_build_timeout_s)
+    skipped = check_skipped(cache.meta, training.dataset_max_bad_rows, f"token store {cache.path}")
     get, total = cached_samples(cache, training.seq_len, training.packing)
     if validation.dataset_path:  # validation has its own files: each split is its whole source
-        return get, 0, total
+        return get, 0, total, skipped
     held_out = math.ceil(total * validation.holdout_fraction)
-    return (get, total - held_out, total) if split == "validation" else (get, 0, total - held_out)
+    lo, hi = (total - held_out, total) if split == "validation" else (0, total - held_out)
+    return get, lo, hi, skipped
 
 
 def _batch_maker(training: Training, tokenizer, vocab_size: int):
@@ -248,9 +267,10 @@ def _check_rank(dp_rank: int, dp_degree: int) -> None:
 
 def _train_order(
     source, tokenizer, t: Training, val: Validation, *, dp_rank, dp_degree, global_batch_size, seed
-) -> tuple[PermutedOrder | ShardStream, int]:
-    """(order, num_samples): this dp rank's share of a stream (-1 samples: it has no end), or
-    the permuted training split of the cache."""
+) -> tuple[PermutedOrder | ShardStream, int, int]:
+    """(order, num_samples, skipped rows): this dp rank's share of a stream (-1 samples: it has
+    no end; its rows are counted as they are read), or the permuted training split of the
+    cache."""
     if source.streaming:
         if t.dataloader.num_workers > 0:
             raise ConfigError(
@@ -259,15 +279,15 @@ def _train_order(
                 "which worker processes cannot share; prepare the data with "
                 "scripts/prepare_data.py and train from that directory, or set num_workers 0"
             )
-        return shard_stream(source, tokenizer, t.seq_len, t.packing, dp_rank, dp_degree), -1
-    get, lo, hi = _cached_split(source, tokenizer, t, val, "train")
+        return shard_stream(source, tokenizer, t.seq_len, t.packing, dp_rank, dp_degree), -1, 0
+    get, lo, hi, skipped = _cached_split(source, tokenizer, t, val, "train")
     if hi - lo < global_batch_size:
         raise ConfigError(
             f"the training split has {hi - lo} samples, fewer than one global batch "
             f"({global_batch_size}); use more data, a smaller seq_len or a smaller "
             "global_batch_size"
         )
-    return PermutedOrder(get, lo, hi, seed), hi - lo
+    return PermutedOrder(get, lo, hi, seed), hi - lo, skipped
 
 
 def build_train_loader(
@@ -292,7 +312,7 @@ def build_train_loader(
     per_rank = num_microbatches * t.local_batch_size  # as resolve_global_batch split it
     assert global_batch_size == per_rank * dp_degree, (global_batch_size, per_rank, dp_degree)
     source = _source(t, val, "train")
-    order, num_samples = _train_order(
+    order, num_samples, skipped = _train_order(
         source, tokenizer, t, val, dp_rank=dp_rank, dp_degree=dp_degree,
         global_batch_size=global_batch_size, seed=seed,
     )  # fmt: skip
@@ -314,6 +334,7 @@ def build_train_loader(
         num_microbatches=num_microbatches,
         order_state=order_state,
         dataloader=t.dataloader,
+        skipped_rows=skipped if t.dataset_max_bad_rows else None,
     )
 
 
@@ -335,7 +356,7 @@ def build_validation_loader(
         samples = partial(validation_samples, source.stream, tokenizer, t.seq_len, t.packing)
         num_samples = -1
     else:
-        get, lo, hi = _cached_split(source, tokenizer, t, val, "validation")
+        get, lo, hi, _ = _cached_split(source, tokenizer, t, val, "validation")
         if hi <= lo:
             raise ConfigError(
                 "validation has no samples: set validation.holdout_fraction > 0 "

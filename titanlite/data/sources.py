@@ -8,7 +8,8 @@ Three kinds of source:
   idlelib, lib2to3, tkinter and turtledemo (large, repetitive or GUI boilerplate).
 - local files (`dataset_path`): .json/.jsonl/.parquet/.txt files, globs or directories, read with
   `datasets.load_dataset` (map-style, or streamed with `training.dataset_streaming`); the text
-  lives in `dataset_text_column`.
+  lives in `dataset_text_column`. With `training.dataset_max_bad_rows` > 0 they are read row by
+  row instead (`titanlite.data.diagnose`), so that a bad row is skipped, not its whole file.
 - hub datasets (`c4`, `c4_test`, `fineweb`): streamed with `datasets` (`streaming=True`), never
   downloaded whole; the loader tokenizes them on the fly.
 """
@@ -16,16 +17,18 @@ Three kinds of source:
 import glob
 import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from titanlite.config import ConfigError
-from titanlite.data.diagnose import check_not_empty, data_error
+from titanlite.data.diagnose import SkippedRows, check_files, data_error, read_rows, skip_bad
 from titanlite.data.store import MANIFEST, is_store
 
 STDLIB_EXCLUDED_DIRS = frozenset(
@@ -66,6 +69,8 @@ class TextSource:
     streaming: bool
     _documents: Callable[[], Iterator[str]] = field(repr=False)
     stream: "DocumentStream | None" = field(default=None, repr=False)  # set when streaming
+    # Map-style with training.dataset_max_bad_rows: the bad rows of the last documents() pass.
+    skipped: SkippedRows | None = field(default=None, repr=False)
 
     def documents(self) -> Iterator[str]:
         return self._documents()
@@ -81,18 +86,26 @@ class DocumentStream:
     where: str  # names the source in errors
     files: tuple[Path, ...] = ()  # local files: a bad row is then named by file and line
     builder: str = ""
+    max_bad_rows: int = 0  # > 0: `open` gives `read_rows`' rows, whose bad ones are skipped
 
-    def texts(self, ds) -> Iterator[str]:
+    def texts(self, ds, skipped: SkippedRows | None = None) -> Iterator[str]:
         """The non-empty texts of `ds` (this stream or a share of it), one example at a time, so
-        `ds.state_dict()` taken between two texts is the position right after the first."""
+        `ds.state_dict()` taken between two texts is the position right after the first. With
+        max_bad_rows, bad rows are counted into `skipped` (None: left out uncounted)."""
+        if self.max_bad_rows:
+            return skip_bad(ds, skipped)
+        return self._checked_texts(ds)
+
+    def _checked_texts(self, ds) -> Iterator[str]:
         column, files = self.text_column, list(self.files)
         try:
             for example in ds:
                 if column not in example:
                     raise _missing_column(self.where, column, list(example))
                 text = example[column]
-                if text is None:
-                    raise _null_text(self.where, files, self.builder, column)
+                if not isinstance(text, str):  # None: datasets' filling of a missing column
+                    what = type(text).__name__ if text is not None else "null or missing"
+                    raise _not_text(self.where, files, self.builder, column, what)
                 if text:
                     yield text
         except ConfigError:
@@ -104,7 +117,10 @@ class DocumentStream:
 
 
 def _streamed(name: str, fingerprint: str, stream: DocumentStream) -> TextSource:
-    return TextSource(name, fingerprint, True, lambda: stream.texts(stream.open()), stream)
+    def documents():
+        return stream.texts(stream.open(), SkippedRows(stream.max_bad_rows))
+
+    return TextSource(name, fingerprint, True, documents, stream)
 
 
 def _hash(obj) -> str:
@@ -190,22 +206,27 @@ def _missing_column(where: str, text_column: str, columns: list) -> ConfigError:
     )
 
 
-def _null_text(where: str, files: list[Path], builder: str, text_column: str) -> ConfigError:
-    """A row without text (datasets fills it with None): the bad row by file and line where
-    the files show one, else a line naming the source."""
-    no_text = f"{where}: a document has no {text_column!r} (null or missing)"
+def _not_text(
+    where: str, files: list[Path], builder: str, text_column: str, what: str
+) -> ConfigError:
+    """A row without text (datasets fills it with None) or with a number for text: the bad row
+    by file and line where the files show one, else a line naming the source."""
+    no_text = f"{where}: a document's {text_column!r} is not text ({what})"
     return data_error(files, builder, text_column, no_text)
 
 
 def _iter_texts(ds, text_column: str, where: str, files=(), builder="") -> Iterator[str]:
-    """Texts of a map-style datasets Dataset, with a clear error for a wrong column and for a
-    row without text (datasets fills it with None)."""
+    """Texts of a map-style datasets Dataset, with a clear error for a wrong column, a column
+    of numbers and a row without text (datasets fills it with None)."""
     if text_column not in ds.column_names:
         raise _missing_column(where, text_column, ds.column_names)
+    feature = ds.features[text_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):  # checked once
+        raise _not_text(where, list(files), builder, text_column, f"a column of {feature}")
     for batch in ds.select_columns([text_column]).iter(batch_size=1024):
         texts = batch[text_column]
         if None in texts:
-            raise _null_text(where, list(files), builder, text_column)
+            raise _not_text(where, list(files), builder, text_column, "null or missing")
         yield from (t for t in texts if t)
 
 
@@ -217,34 +238,72 @@ def _load_dataset(path, name, data_files, split, streaming, **kwargs):
     )
 
 
-def local_source(dataset_path: str, text_column: str = "text", streaming: bool = False):
-    """Local files through `datasets` (map-style: fast memory-mapped Arrow; or streaming, one
-    stream shard per file)."""
-    files = expand_paths(dataset_path)
-    check_not_empty(files)
-    builder = _pick_builder(files)
+def _drop_parse_log(record: logging.LogRecord) -> bool:
+    """datasets logs its half of a JSON parse failure ('... in row 60', counted from 0 within a
+    block) above the error that names the file and line (`data_error`): leave that one line."""
+    return not record.getMessage().startswith("Failed to load JSON from file")
+
+
+def open_local(files: list[Path], builder: str, text_column: str, streaming: bool = False):
+    """`datasets`' reading of local files (map-style: fast memory-mapped Arrow; or streaming,
+    one stream shard per file), a failure named by file and line."""
+    # addFilter keeps one copy of a filter, however often this runs.
+    logging.getLogger("datasets.packaged_modules.json.json").addFilter(_drop_parse_log)
     # .txt: one document per file (datasets' default would make every LINE a document).
     kwargs = {"sample_by": "document"} if builder == "text" else {}
-    str_files = [str(f) for f in files]
+    try:
+        return _load_dataset(builder, None, [str(f) for f in files], "train", streaming, **kwargs)
+    except Exception as e:  # "An error occurred while generating the dataset": which row?
+        if (error := data_error(files, builder, text_column)) is None:
+            raise
+        raise error from e
 
-    def open_dataset():
-        try:
-            return _load_dataset(builder, None, str_files, "train", streaming, **kwargs)
-        except Exception as e:  # "An error occurred while generating the dataset": which row?
-            if (error := data_error(files, builder, text_column)) is None:
-                raise
-            raise error from e
 
+def local_source(
+    dataset_path: str, text_column: str = "text", streaming: bool = False, max_bad_rows: int = 0
+) -> TextSource:
+    """Local files: through `datasets`, or row by row when up to `max_bad_rows` bad rows may be
+    skipped (training.dataset_max_bad_rows)."""
+    files = expand_paths(dataset_path)
+    check_files(files)
+    builder = _pick_builder(files)
     name, where = f"local-{files[0].stem}", f"dataset_path {dataset_path!r}"
-    fingerprint = _hash({"kind": builder, "files": _file_stats(files), "column": text_column})
+    # Rows read here and by datasets agree for good data, but a store of each keeps its own key.
+    tolerant = {"bad_rows": "skipped"} if max_bad_rows else {}
+    fingerprint = _hash(
+        {"kind": builder, "files": _file_stats(files), "column": text_column, **tolerant}
+    )
     if streaming:
-        stream = DocumentStream(open_dataset, text_column, where, tuple(files), builder)
+        opener = _row_stream if max_bad_rows else partial(open_local, streaming=True)
+        stream = DocumentStream(
+            partial(opener, files, builder, text_column), text_column, where, tuple(files),
+            builder, max_bad_rows,
+        )  # fmt: skip
         return _streamed(name, fingerprint, stream)
 
     def documents():
-        return _iter_texts(open_dataset(), text_column, where, files, builder)
+        if not max_bad_rows:
+            dataset = open_local(files, builder, text_column)
+            return _iter_texts(dataset, text_column, where, files, builder)
+        source.skipped = SkippedRows(max_bad_rows)  # this pass's count, for the store's manifest
+        return skip_bad(_row_dicts(files, builder, text_column), source.skipped)
 
-    return TextSource(name, fingerprint, False, documents)
+    source = TextSource(name, fingerprint, False, documents)
+    return source
+
+
+def _row_dicts(files: list[Path], builder: str, text_column: str) -> Iterator[dict]:
+    for f in files:
+        for text, problem in read_rows(Path(f), builder, text_column):
+            yield {"text": text, "problem": problem}
+
+
+def _row_stream(files: list[Path], builder: str, text_column: str):
+    """`_row_dicts` as a datasets stream of one shard per file, as datasets' own builders make."""
+    import datasets
+
+    kwargs = {"files": [str(f) for f in files], "builder": builder, "text_column": text_column}
+    return datasets.IterableDataset.from_generator(_row_dicts, gen_kwargs=kwargs)
 
 
 def hub_source(dataset: str, text_column: str = "text", split: str = "train") -> TextSource:
@@ -285,10 +344,12 @@ def build_source(
     text_column: str = "text",
     split: str = "train",
     streaming: bool = False,
+    max_bad_rows: int = 0,
 ) -> TextSource:
     """The source named by the training config. A `dataset_path` with the default dataset
     (python_stdlib) means local files: the path is the more specific request. `streaming`
-    streams local files; hub datasets are always streamed."""
+    streams local files; hub datasets are always streamed. `max_bad_rows`: see
+    `local_source`."""
     if dataset not in DATASET_CHOICES:
         raise ConfigError(f"unknown training.dataset {dataset!r}; choices: {list(DATASET_CHOICES)}")
     if is_store(dataset_path):  # prepared by scripts/prepare_data.py: wins over the dataset name
@@ -301,7 +362,7 @@ def build_source(
     if dataset in HUB_DATASETS:
         return hub_source(dataset, text_column, split)
     if dataset_path:
-        return local_source(dataset_path, text_column, streaming)
+        return local_source(dataset_path, text_column, streaming, max_bad_rows)
     if dataset == "local":
         raise ConfigError("training.dataset 'local' needs training.dataset_path (files or globs)")
     return python_stdlib_source()

@@ -175,5 +175,7 @@ def build_store(
         for k, (d, t) in sorted(counts.items())
     ]
     manifest = _manifest(header, shards)
+    if source.skipped is not None:  # training.dataset_max_bad_rows: judged by every run
+        manifest.update(skipped_rows=source.skipped.count, last_skipped_row=source.skipped.last)
     _publish(partial, out, manifest)
     return manifest

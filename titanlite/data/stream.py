@@ -8,8 +8,10 @@ order with no shuffle; TP peers of a dp rank read the same share. Step k's rows 
 next G/D samples of r's share, so the global batch is the same for any local_batch_size at a
 fixed dp degree, but not across dp degrees. The loader's state adds each dp rank's stream
 position, taken when the step is made (the prefetch thread is one step ahead): the dataset's
-`state_dict()` at the start of the current tokenization chunk, the chunk's documents already used
-and the tokens packing carries over. A resume re-reads that one chunk, however far into the
+`state_dict()` at the start of the current tokenization chunk, the chunk's documents already
+used, the tokens packing carries over, and the bad rows skipped before the chunk and through it
+(with training.dataset_max_bad_rows: a rank's share counts its own, on the first pass, and a
+D-th row kept by a rank may be a bad one). A resume re-reads that one chunk, however far into the
 stream it is (the dataset itself skips to the position within the current file); it refuses
 another dp degree.
 
@@ -23,6 +25,7 @@ from itertools import islice
 import numpy as np
 
 from titanlite.config import ConfigError
+from titanlite.data.diagnose import SkippedRows
 from titanlite.data.packing import Packer
 from titanlite.data.sources import DocumentStream, TextSource
 
@@ -33,7 +36,8 @@ DOCS_PER_CALL = 64  # documents per encode_batch call: few, so a hub stream's fi
 
 def stream_start() -> dict:
     """The position of a stream that has not been read yet (see `ShardStream`)."""
-    return {"epoch": 0, "dataset": None, "skip": 0, "carry": np.empty(0, dtype=np.uint32)}
+    carry = np.empty(0, dtype=np.uint32)
+    return dict(epoch=0, dataset=None, skip=0, carry=carry, skipped_rows=0, chunk_skipped_rows=0)
 
 
 class ShardStream:
@@ -46,10 +50,11 @@ class ShardStream:
     `seek(position)` re-reads and re-tokenizes just that chunk, so resuming costs the same at any
     point of the stream."""
 
-    def __init__(self, open_shard, texts, tokenizer, seq_len: int, packing: bool):
+    def __init__(self, open_shard, stream: DocumentStream, tokenizer, seq_len: int, packing: bool):
         self.open_shard = open_shard  # () -> this rank's share, a fresh IterableDataset
-        self.texts = texts  # IterableDataset -> its texts, one example at a time
+        self.texts = stream.texts  # (IterableDataset, SkippedRows) -> texts, one at a time
         self.tokenizer, self.seq_len, self.packing = tokenizer, seq_len, packing
+        self.skipped = SkippedRows(stream.max_bad_rows)
         self.seek(stream_start())
 
     def seek(self, position: dict, row: int = 0) -> None:
@@ -57,11 +62,16 @@ class ShardStream:
         p = position
         self._epoch, self._chunk_state, self._used = p["epoch"], p["dataset"], p["skip"]
         self._packer = Packer(self.seq_len, self.packing, p["carry"])
+        # The count before the chunk: reading it again counts its bad rows again.
+        self.skipped.count = self._chunk_skipped = p.get("chunk_skipped_rows", 0)  # older: 0
         self._row, self._samples = row, self._read()
 
     def position(self) -> dict:
         carry = self._packer.carry()
-        return dict(epoch=self._epoch, dataset=self._chunk_state, skip=self._used, carry=carry)
+        return dict(
+            epoch=self._epoch, dataset=self._chunk_state, skip=self._used, carry=carry,
+            skipped_rows=self.skipped.count, chunk_skipped_rows=self._chunk_skipped,
+        )  # fmt: skip
 
     def take(self, start: int, stop: int) -> list[np.ndarray]:
         """Rows [start, stop) of this share: a stream is read forward, so the next ones."""
@@ -74,13 +84,15 @@ class ShardStream:
         ds = self.open_shard()
         if self._chunk_state is not None:
             ds.load_state_dict(self._chunk_state)
-        texts = self.texts(ds)
+        # A later pass meets again the bad rows that the first one counted.
+        texts = self.texts(ds, self.skipped if self._epoch == 0 else None)
         while chunk := list(islice(texts, DOCS_PER_CALL)):
-            next_chunk = ds.state_dict()  # the dataset has just read this chunk's last text
+            # The dataset has just read this chunk's last text.
+            next_chunk, next_skipped = ds.state_dict(), self.skipped.count
             for ids in self.tokenizer.encode_batch(chunk[self._used :], bos=True, eos=True):
                 self._used += 1
                 yield from self._packer.samples(ids)
-            self._chunk_state, self._used = next_chunk, 0
+            self._chunk_state, self._used, self._chunk_skipped = next_chunk, 0, next_skipped
 
     def _read(self) -> Iterator[np.ndarray]:
         while True:  # epochs
@@ -119,12 +131,12 @@ def shard_stream(source: TextSource, tokenizer, seq_len: int, packing: bool, dp_
     def open_shard():
         return split_dataset_by_node(stream.open(), rank=dp_rank, world_size=dp_degree)
 
-    return ShardStream(open_shard, stream.texts, tokenizer, seq_len, packing)
+    return ShardStream(open_shard, stream, tokenizer, seq_len, packing)
 
 
 def validation_samples(stream: DocumentStream, tokenizer, seq_len: int, packing: bool):
     """The samples of a whole stream, once, in order."""
-    return ShardStream(stream.open, stream.texts, tokenizer, seq_len, packing).epoch()
+    return ShardStream(stream.open, stream, tokenizer, seq_len, packing).epoch()
 
 
 def dp_degree_changed(saved: int, now: int) -> str:

@@ -107,9 +107,10 @@ def _limit_ranks(ranks: dict[bytes, int], limit: int, where: str) -> dict[bytes,
 
 def _from_bpe_file(path: str, limit: int) -> Tokenizer:
     file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"tokenizer_path {path!r} does not exist or is not a file")
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    try:
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    except OSError as e:  # absent, a folder, unreadable
+        raise ConfigError(f"tokenizer_path {path!r} cannot be read ({e.strerror or e})") from e
     try:
         # expected_hash: tiktoken caches local files by PATH in TIKTOKEN_CACHE_DIR; the hash makes
         # it re-read a file that changed in place instead of silently using the stale copy.
