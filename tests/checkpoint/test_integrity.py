@@ -5,6 +5,7 @@ that verifies. Single process, plus one 2-rank gloo run (workers.py)."""
 
 import json
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,6 +84,9 @@ def test_without_checksums_or_verification_loads_as_before(tiny, tmp_path, caplo
     with pytest.raises(CheckpointError, match="step-1 is damaged.*no earlier checkpoint"):
         plan_load(Checkpoint(enable=True, load_step=1), tmp_path)
     plan_load(Checkpoint(enable=True, load_step=1, verify_on_load=False), tmp_path)
+    weights = shutil.copytree(ckpt / "step-2", tmp_path / "weights")  # not a step: no marker
+    (weights / MARKER).unlink()
+    assert plan_load(Checkpoint(enable=True, initial_load_path=str(weights)), tmp_path / "b")
 
 
 def test_damage_in_the_newest_names_an_unverifiable_earlier_step(tiny, tmp_path):

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from titanlite.checkpoint.layout import dist_on, read_marker
+from titanlite.checkpoint.layout import MARKER, dist_on, read_marker
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,10 @@ def record(writer: dcp.FileSystemWriter, group=None) -> dict | None:
 
 
 def recorded(path: Path) -> dict | None:
-    """The checksums a complete checkpoint's marker holds; None when it holds none we can check
-    (made by hand, by an export, or with another algorithm: then a warning)."""
+    """The checksums a checkpoint's marker holds; None when it holds none we can check (a folder
+    without a marker, one made by hand or by an export, another algorithm: then a warning)."""
+    if not (path / MARKER).is_file():  # e.g. an initial_load_path written by a script
+        return None
     checksums = read_marker(path).get("checksums")
     if checksums is not None and checksums.get("algorithm") != ALGORITHM:
         logger.warning(
