@@ -12,7 +12,10 @@ Faults (scripts/fault_inject.py injects them as step 5 starts; checkpoints every
 - full: the disk fills during a save (a 100 MiB tmpfs; needs root to mount, else left out);
 - bad: malformed JSON lines in a local corpus (lines 30 and 100), once read whole into the token
   cache (the default: the first stops the run), once streamed with
-  --training.dataset_max_bad_rows 1 (the first skipped and counted, the second stops it).
+  --training.dataset_max_bad_rows 1 (the first skipped and counted, the second stops it);
+- bitflip: after a finished run, one bit flipped in rank 1's file of its last checkpoint; the
+  rerun (detected = from its launch to its one-line error), then the rerun with the step it
+  names (back = its first step after resuming).
 Times are seconds from the fault (the moment the injector wrote down; for bad data, the launch)
 to what followed, read from the run's output as it arrives. Prints a Markdown table.
 """
@@ -155,12 +158,41 @@ def full_disk(dump: Path) -> list | None:
             f"nothing saved: kept {', '.join(kept)}; the steps since it"]  # fmt: skip
 
 
+def bitflip(ranks: int, dump: Path) -> list:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+              "train.py", *RUN, "--job.dump_folder", str(dump)]  # fmt: skip
+    code, _, out = watch(launch, {})
+    if code:
+        raise RuntimeError(f"the run to damage failed (exit {code}):\n{out[-3000:]}")
+    last = dump / "checkpoint" / "step-8"
+    victim = last / f"__{ranks - 1}_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    rerun = [*launch, "--training.steps", "10"]
+    start = time.time()
+    code, seen, out = watch(rerun, {"detected": r"is damaged"})
+    said = re.search(r"error: (checkpoint \S+ is damaged: \S+: [^;]*; .*)", out)
+    good = re.search(r"load_step (\d+)", said.group(1)) if said else None
+    if good is None:
+        return [f"a bit flipped in a checkpoint, {ranks} ranks", f"not detected (exit {code})",
+                "-", "-"]  # fmt: skip
+    back_code, back, _ = watch(
+        [*rerun, "--checkpoint.load_step", good.group(1)], {"back": r"training from step"}
+    )
+    return [f"a bit flipped in rank {ranks - 1}'s file of the last checkpoint (step 8), "
+            f"{ranks} ranks", f"the rerun stops before building the model: '{said.group(1)}', "
+            f"exit {code}; rerun as it says, it resumes (exit {back_code})",
+            f"{seen['detected'] - start:.1f} s after the rerun's launch, before any step",
+            f"the {8 - int(good.group(1))} steps since step {good.group(1)}"]  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--train_timeout", type=int, default=10, help="comm.train_timeout_seconds")
-    ap.add_argument("--only", nargs="+", default=["kill", "stop", "junk", "full", "bad"],
-                    choices=["kill", "stop", "junk", "full", "bad"])  # fmt: skip
+    faults = ["kill", "stop", "junk", "full", "bad", "bitflip"]
+    ap.add_argument("--only", nargs="+", default=faults, choices=faults)
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="fault_drill_") as tmp:
@@ -172,6 +204,8 @@ def main() -> int:
                 rows.append(junk(a.ranks, dump))
             elif name == "bad":
                 rows.append(bad_rows(dump))
+            elif name == "bitflip":
+                rows.append(bitflip(a.ranks, dump))
             elif (row := full_disk(dump)) is not None:
                 rows.append(row)
             else:

@@ -240,6 +240,9 @@ class Checkpoint:
         False, "Also save after step 1: checks saving works on new storage without waiting"
     )
     load_step: int = opt(-1, "Step to resume from (-1 = newest)")
+    verify_on_load: bool = opt(
+        True, "Check a DCP checkpoint's files against the checksums its save recorded, first"
+    )
     initial_load_path: str = opt("", "Checkpoint to start from when the folder has none")
     initial_load_in_hf: bool = opt(False, "initial_load_path is a Hugging Face safetensors folder")
     initial_load_model_only: bool = opt(

@@ -1,5 +1,6 @@
 """Checkpoint tests that need processes of their own (gloo ranks, or a child to SIGKILL):
-`python workers.py NAME ARGS...`, launched by test_manager.py, test_layout.py and test_hf.py.
+`python workers.py NAME ARGS...`, launched by test_manager.py, test_layout.py, test_hf.py and
+test_integrity.py.
 
 Run as a script, this folder comes first on sys.path, so `conftest` is the one beside this file.
 """
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from titanlite.checkpoint import CheckpointManager, plan_load
+from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
 from titanlite.checkpoint.staging import ReusingStager
 from titanlite.config import Checkpoint
 from titanlite.distributed import destroy
@@ -92,6 +93,37 @@ def fsdp(folder: str, mode: str) -> None:
     destroy()  # barrier first (rank 0 may still be saving), then free the groups before exit
 
 
+def damaged(folder: str) -> None:
+    """On 2 gloo ranks: async saves of steps 1 and 2 of an FSDP model, then rank 0 flips a bit in
+    each rank's data file of step 2; each rank writes the error planning the load raised to
+    error.rank{R}."""
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    mgr = build_manager(folder, async_mode="async")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for m in (mgr.model[0], mgr.model[2], mgr.model):
+        fully_shard(m, mesh=mesh)
+    mgr.optimizer = torch.optim.AdamW(mgr.model.parameters(), lr=1e-2)  # over the sharded params
+    mgr.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(mgr.optimizer, lambda s: 1.0)
+    for _ in range(2):
+        _same_step_on_every_rank(mgr)
+        mgr.save(mgr.train_state.step)
+    mgr.close()
+    step = Path(folder, "checkpoint", "step-2")
+    if dist.get_rank() == 0:
+        for name in ("__0_0.distcp", "__1_0.distcp"):
+            data = bytearray((step / name).read_bytes())
+            data[len(data) // 2] ^= 0x10
+            (step / name).write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        plan_load(mgr.cfg, folder)
+    except CheckpointError as e:
+        Path(folder, f"error.rank{dist.get_rank()}").write_text(str(e))
+    del mgr, mesh
+    destroy()
+
+
 # Heads split between FSDP shards: wk has one 32-row head, each of 2 ranks holds 16 of its rows.
 SPLIT_HEADS = ModelArgs(
     dim=64, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=256, multiple_of=32, max_seq_len=32
@@ -139,4 +171,5 @@ def split_heads(root: str) -> None:
 
 
 if __name__ == "__main__":
-    {"slow_save": slow_save, "fsdp": fsdp, "split_heads": split_heads}[sys.argv[1]](*sys.argv[2:])
+    workers = {"slow_save": slow_save, "fsdp": fsdp, "split_heads": split_heads, "damaged": damaged}
+    workers[sys.argv[1]](*sys.argv[2:])

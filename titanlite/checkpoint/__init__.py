@@ -1,6 +1,7 @@
 """Checkpoints: layout.py (step folders, markers, publish, prune), plan.py (what a run loads),
-manager.py (CheckpointManager: save, async save, load), hf.py (Hugging Face folders in and out of
-a sharded model), stream.py (writing one tensor at a time)."""
+manager.py (CheckpointManager: save, async save, load), integrity.py (the files' checksums,
+recorded at save and verified before a load), hf.py (Hugging Face folders in and out of a
+sharded model), stream.py (writing one tensor at a time)."""
 
 from titanlite.checkpoint.layout import MARKER, publish, scan_checkpoints
 from titanlite.checkpoint.manager import CheckpointManager

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint.hf import check_heads, hf_names, load_hf, save_hf
+from titanlite.checkpoint.integrity import checksummed_writer, record
 from titanlite.checkpoint.layout import dist_on, prune, publish, rank, world_size
 from titanlite.checkpoint.plan import (
     CheckpointError,
@@ -162,41 +163,48 @@ class CheckpointManager:
         needed = needed_bytes(self.folder, state) if rank() == 0 else 0
         if rank() == 0:
             warn_if_short(self.folder, step, needed)
+        writer = checksummed_writer(tmp)  # hashes each file as it is written
         if self.cfg.async_mode == "async":
             written = dcp.async_save(
-                state, checkpoint_id=str(tmp), process_group=self.process_group,
+                state, storage_writer=writer, process_group=self.process_group,
                 async_stager=self._stager,
             )  # fmt: skip
             self._published = self._publisher.submit(
-                self._publish_when_written, written, step, needed
+                self._publish_when_written, written, writer, step, needed
             )
         else:
             try:
                 with single_process_quietly():
-                    dcp.save(state, checkpoint_id=str(tmp))
+                    dcp.save(state, storage_writer=writer)
             except CheckpointException as e:  # raised on every rank: DCP reduces the failures
                 raise save_failed(self.folder, step, needed, _dcp_reason(e)) from e
-            self._published = self._publisher.submit(self._finalize, step)
+            checksums = record(writer)
+            self._published = self._publisher.submit(self._finalize, step, {"checksums": checksums})
         self._last_saved = step
 
     def _export(self, step: int, tmp: Path) -> None:
         fmt, dtype = "hf" if self.cfg.last_save_in_hf else "dcp", self.cfg.export_dtype
+        info = {"model_only": True, "format": fmt, "dtype": dtype}
         if fmt == "hf":
             save_hf(self.model, tmp, dtype)
         else:
             state = self._state_to_save(step, model_only=True)
             state["model"] = {k: v.to(DTYPES[dtype]) for k, v in state["model"].items()}
+            writer = checksummed_writer(tmp)
             with single_process_quietly():
-                dcp.save(state, checkpoint_id=str(tmp))
-        info = {"model_only": True, "format": fmt, "dtype": dtype}
+                dcp.save(state, storage_writer=writer)
+            info["checksums"] = record(writer)
         self._published = self._publisher.submit(self._finalize, step, info)
 
-    def _publish_when_written(self, written: Future, step: int, needed: int) -> None:
+    def _publish_when_written(self, written: Future, writer, step: int, needed: int) -> None:
+        """Every rank, in its publisher thread. The checksums' gather runs on the save's own
+        group, where its collectives and the next save's never overlap: save() waits for this
+        thread first."""
         try:
             written.result()  # DCP completes it after every rank's data is on disk
         except (Exception, CheckpointException) as e:
             raise save_failed(self.folder, step, needed, f"async: {_dcp_reason(e)}") from e
-        self._finalize(step)
+        self._finalize(step, {"checksums": record(writer, self.process_group)})
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written, published and old ones pruned."""
@@ -253,7 +261,8 @@ class CheckpointManager:
 
     def _finalize(self, step: int, info: dict | None = None) -> None:
         """Rank 0 only, in the publisher thread: every rank's data is on disk once DCP's save
-        returned (its final gather ran), so publish the checkpoint, then prune."""
+        returned (its final gather ran), so publish the checkpoint (`info`, the checksums among
+        it, goes into its marker), then prune."""
         if rank() != 0:
             return
         logger.info("Saved checkpoint %s", publish(self.folder, step, info))

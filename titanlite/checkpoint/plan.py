@@ -1,9 +1,11 @@
 """What a run loads, decided and checked before the model is built (at 70B that build takes
 minutes): its own newest (or chosen) complete checkpoint, else checkpoint.initial_load_path (a
-DCP checkpoint or a Hugging Face folder), else nothing. Every wrong path fails here, with the fix.
+DCP checkpoint or a Hugging Face folder), else nothing. Every wrong path fails here, with the fix,
+and so does a damaged checkpoint (its files against the checksums its save recorded).
 """
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from titanlite.checkpoint.integrity import recorded, verify
 from titanlite.checkpoint.layout import (
     check_complete,
     dist_on,
@@ -40,16 +43,21 @@ class LoadPlan:
 
 
 def plan_load(ckpt_cfg, dump_folder) -> LoadPlan | None:
-    """Decide what to load and check it can be loaded; rank 0 reads the files, every rank gets
-    its answer."""
+    """Decide what to load and check it can be loaded; rank 0 reads the folders and metadata,
+    every rank gets its answer. With checkpoint.verify_on_load, every rank checks a share of a
+    DCP checkpoint's files first (a damaged .metadata is named as such, not as unreadable)."""
+    folder = Path(dump_folder) / ckpt_cfg.folder
+    plan = rank0_decides(lambda: _choose(ckpt_cfg, folder))
+    if plan is None:
+        return None
+    if ckpt_cfg.verify_on_load and not plan.hf:
+        _verify(plan.path, own=plan.path.parent == folder)
 
-    def decide():
-        plan = _choose(ckpt_cfg, Path(dump_folder) / ckpt_cfg.folder)
-        if plan is not None:
-            (read_hf_metadata if plan.hf else read_metadata)(plan.path)
-        return plan
+    def readable():  # None: its answer, the metadata, is not needed yet (nor on every rank)
+        (read_hf_metadata if plan.hf else read_metadata)(plan.path)
 
-    return rank0_decides(decide)
+    rank0_decides(readable)
+    return plan
 
 
 def rank0_decides(decide):
@@ -109,6 +117,59 @@ def _resume_points(complete: dict[int, Path], load_step: int) -> dict[int, Path]
             )
         logger.warning("Not resuming from %s: it holds only the model weights; %s", path, fix)
     return {s: p for s, p in complete.items() if s not in exports}
+
+
+def _damaged_files(path: Path) -> list[str] | None:
+    """Collective: `path`'s damaged files (empty: it verifies), None when it has no checksums."""
+    checksums = rank0_decides(lambda: recorded(path))
+    if checksums is None:
+        logger.info("Not verifying %s: its marker records no checksums", path)
+        return None
+    t0 = time.perf_counter()
+    damaged = verify(path, checksums)
+    if not damaged:
+        size = sum(f["size"] for f in checksums["files"].values())
+        logger.info(
+            "Verified %s: %d files, %.2f GiB in %.1f s",
+            path, len(checksums["files"]), size / 2**30, time.perf_counter() - t0,
+        )  # fmt: skip
+    return damaged
+
+
+def _verify(path: Path, own: bool) -> None:
+    """On every rank, one CheckpointError when the checkpoint at `path` does not match its
+    checksums: the damaged files, and for a run's own checkpoint the newest earlier one that
+    verifies (checked only now, newest first: the user picks it, nothing falls back silently)."""
+    damaged = _damaged_files(path)
+    if not damaged:
+        return
+    more = f" (+{len(damaged) - 8} more)" if len(damaged) > 8 else ""
+    msg = f"checkpoint {path} is damaged: {'; '.join(damaged[:8])}{more}"
+    if own:
+        msg += f"; {_newest_good_before(path)}"
+    raise CheckpointError(msg)
+
+
+def _newest_good_before(path: Path) -> str:
+    step = int(path.name.removeprefix("step-"))
+
+    def earlier():  # resumable: not a weights-only export
+        complete = scan_checkpoints(path.parent)[0]
+        steps = [s for s, p in complete.items() if not read_marker(p).get("model_only")]
+        return sorted((s for s in steps if s < step), reverse=True)
+
+    candidates = rank0_decides(earlier)
+    for s in candidates:
+        fix = f"resume from it with --checkpoint.load_step {s}"
+        logger.info("Looking for an earlier checkpoint that verifies: step %d", s)
+        damaged = _damaged_files(path.parent / f"step-{s}")
+        if damaged is None:
+            return f"the newest earlier checkpoint, step {s}, records no checksums to verify: {fix}"
+        if not damaged:
+            return f"the newest earlier checkpoint that verifies is step {s}: {fix}"
+    if not candidates:
+        return "there is no earlier checkpoint to resume from"
+    return f"no earlier checkpoint verifies either (steps {', '.join(map(str, candidates))})"
 
 
 def _is_hf(path: Path) -> bool:
