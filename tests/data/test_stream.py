@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, assert_nested_equal, read_jsonl, run_train
+from conftest import TINY_TRAIN, assert_nested_equal, read_jsonl, run_train, train_many
 from torch import nn
 
 from titanlite.checkpoint import CheckpointManager, plan_load
@@ -201,10 +201,10 @@ def test_train_resumes_a_stream_exactly_and_refuses_another_dp_degree(tmp_path, 
     write_shards(tmp_path / "data", 4, 150)
     args = [*TINY, "--training.dataset_path", str(tmp_path / "data" / "*.jsonl")]
     ref, resumed, single = tmp_path / "ref", tmp_path / "resumed", tmp_path / "single"
-    run_train([*args, "--job.dump_folder", str(ref)], nproc=2)
-    for out in (resumed, single):
-        shutil.copytree(ref / "checkpoint" / "step-5", out / "checkpoint" / "step-5")
-    run_train([*args, "--job.dump_folder", str(resumed)], nproc=2)
+    step5 = [str(out / "checkpoint" / "step-5") for out in (ref, resumed)]
+    train_many([[*args, "--job.dump_folder", str(ref)], {"copy": step5},
+                [*args, "--job.dump_folder", str(resumed)]], nproc=2)  # fmt: skip
+    shutil.copytree(step5[0], single / "checkpoint" / "step-5")
     losses = {r["step"]: r["loss"] for r in read_jsonl(ref / "metrics.jsonl")}
     again = {r["step"]: r["loss"] for r in read_jsonl(resumed / "metrics.jsonl")}
     assert sorted(again) == [6, 7, 8] and again == {s: losses[s] for s in again}
