@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TINY_TRAIN, assert_nested_equal, read_jsonl, run_train, train_many
-from integration.parity import one_microbatch
+from integration.parity import PP_WHOLE_BATCH, one_microbatch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titanlite.checkpoint import scan_checkpoints
@@ -35,7 +35,6 @@ TINY = [
 # accumulation: local batch 2, except that layouts with TP or CP take a rank's whole share in one
 # microbatch (their collectives per microbatch are most of a step's time on 2 cores) and, with
 # PP, in one schedule run of 2-row pipeline microbatches.
-PP_WHOLE_BATCH = [*one_microbatch(1), "--parallelism.pipeline_parallel_microbatch_size", "2"]
 LAYOUTS = {
     "one": (1, []),
     "fsdp2": (2, []),

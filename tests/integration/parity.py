@@ -14,6 +14,8 @@ from fault_drill import short_docs  # noqa: E402
 # layout splits the same 8 rows differently (1 proc: 4 microbatches of 2). Every layout also
 # logs its per-block grad norms, checked against one process's at no extra launch.
 BASE = [*TINY_TRAIN, "--training.steps", "8", "--metrics.log_layer_grad_norms"]
+PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
+CP = "--parallelism.context_parallel_degree"
 
 
 def one_microbatch(dp: int) -> list[str]:
@@ -22,6 +24,11 @@ def one_microbatch(dp: int) -> list[str]:
     that keep 2-row microbatches cover gradient accumulation under TP and CP (in
     test_parallel_numerics.py: FSDP 2 x TP 2 and the masked CP 2 x FSDP 2)."""
     return ["--training.local_batch_size", str(8 // dp)]
+
+
+# PP with TP or CP: the global batch in one schedule run of 4 microbatches of 2 rows rather than
+# 4 runs of 2 of 1 row, halving the TP and CP collectives.
+PP_WHOLE_BATCH = [*one_microbatch(1), "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
 def masked_runs(folder: Path) -> tuple[list, list]:

@@ -8,6 +8,8 @@ import pytest
 from conftest import run_train
 from integration.parity import (
     BASE,
+    PP,
+    SCHEDULE,
     assert_block_norms_match,
     assert_matches,
     curves,
@@ -18,7 +20,6 @@ from integration.parity import (
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
-PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
 
 # name: (ranks, args, relative tolerance on every step's loss and grad norm).
 LAYOUTS = {

@@ -7,22 +7,20 @@ import pytest
 from conftest import read_jsonl, write_torch_schedule
 from integration.parity import (
     BASE,
+    CP,
+    PP,
+    PP_WHOLE_BATCH,
+    SCHEDULE,
     assert_block_norms_match,
     assert_matches,
     curves,
     launch,
     masked_runs,
-    one_microbatch,
 )
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
-PP, SCHEDULE = "--parallelism.pipeline_parallel_degree", "--parallelism.pipeline_parallel_schedule"
-CP, TP = "--parallelism.context_parallel_degree", "--parallelism.tensor_parallel_degree"
 FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 stages, 4 microbatches
-# PP with TP or CP on 4 and 8 ranks: the global batch in one schedule run of 4 microbatches of 2
-# rows rather than 4 runs of 2 of 1 row, halving the TP and CP collectives (see one_microbatch).
-WHOLE_BATCH = [*one_microbatch(1), "--parallelism.pipeline_parallel_microbatch_size", "2"]
 # Stands for the schedule file the fixture writes: torch's Interleaved1F1B order for PP 2, four
 # stages (layers_per_stage 2: the split Interleaved1F1B gets) and four microbatches, run by
 # torch's _PipelineScheduleRuntime under the default schedule name (1F1B, one stage a rank).
@@ -47,11 +45,11 @@ LAYOUTS = {
     # The last stage computes the loss on vocab-sharded, chunked logits.
     "pp2_tp2_loss_parallel": (4, [
         PP, "2", "--parallelism.tensor_parallel_degree", "2", "--loss.chunk_tokens", "24",
-        *WHOLE_BATCH,
+        *PP_WHOLE_BATCH,
     ], 1e-5),
     # Later stages are given this rank's chunks of hidden states; labels and positions are split
     # on every stage.
-    "pp2_cp2": (4, [PP, "2", CP, "2", *WHOLE_BATCH], 1e-5),
+    "pp2_cp2": (4, [PP, "2", CP, "2", *PP_WHOLE_BATCH], 1e-5),
 }  # fmt: skip
 # Document masking under PP and CP, on short ragged documents, with validation every 2 steps:
 # every stage builds its mask from the microbatch's document ids (not its hidden states).
@@ -63,7 +61,7 @@ MASKED = {
     "mask_tp2_cp2_pp2": (8, [
         "--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=2",
         "--parallelism.pipeline_parallel_degree=2",
-        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", *WHOLE_BATCH,
+        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", *PP_WHOLE_BATCH,
     ]),
 }  # fmt: skip
 VALIDATION = ["--validation.enable", "--validation.freq", "2", "--validation.holdout_fraction",
