@@ -173,7 +173,9 @@ def destroy(barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
-        if barrier:  # every rank is past every collective of every group: safe to close them
+        # Each rank entered the barrier after its last collective on any group (an async save's
+        # included: CheckpointManager.close waits for it), so no peer still needs any group.
+        if barrier:
             _release_mesh_groups()
         # Groups still referenced from reference cycles (meshes held by a finished trainer's
         # modules) would otherwise be freed during interpreter shutdown, where gloo's worker
