@@ -131,22 +131,27 @@ def worker(out_path):
         p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         for p in model.parameters()
     ]
+    res = {
+        "world": world,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "sum": total.item(),
+        "world_sum": everyone.item(),
+        "counters": counters.item(),
+        "norm": norm.item(),
+        "grads": [g.tolist() for g in clipped],
+        "gloo_threads": gloo_threads(),
+    }
+    destroy()  # while the meshes live on, as DTensor's caches keep a finished run's meshes
+    res["gloo_threads_after_destroy"] = gloo_threads()
     if rank == 0:
-        Path(out_path).write_text(
-            json.dumps(
-                {
-                    "world": world,
-                    "device": str(device),
-                    "threads": torch.get_num_threads(),
-                    "sum": total.item(),
-                    "world_sum": everyone.item(),
-                    "counters": counters.item(),
-                    "norm": norm.item(),
-                    "grads": [g.tolist() for g in clipped],
-                }
-            )
-        )
-    destroy()
+        Path(out_path).write_text(json.dumps(res))
+
+
+def gloo_threads() -> int:
+    """This process's gloo worker threads (torch names them): two per live gloo group."""
+    tasks = Path("/proc/self/task")
+    return sum((t / "comm").read_text().strip() == "pt_gloo_runloop" for t in tasks.iterdir())
 
 
 @pytest.mark.slow
@@ -157,6 +162,8 @@ def test_four_ranks(tmp_path):
     assert (res["world"], res["device"], res["threads"]) == (4, "cpu", 1)
     assert res["sum"] == 2.0  # rank 0's dp group is {0, 2}
     assert (res["world_sum"], res["counters"]) == (6.0, 2.0)  # ranks 0 and 2 count tokens
+    # Every group is closed by destroy(), after its barrier, not at interpreter exit.
+    assert res["gloo_threads"] > 0 and res["gloo_threads_after_destroy"] == 0
     ref = make_grads()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     assert res["norm"] == pytest.approx(ref_norm.item(), rel=1e-5)
