@@ -16,6 +16,7 @@ from titanlite.distributed import (
     device_and_backend,
     dist_sum,
     init_distributed,
+    store_namespace,
     world_sum,
 )
 
@@ -166,3 +167,14 @@ def test_four_ranks(tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+def test_store_namespace_per_attempt_only_where_torchruns_store_outlives_the_group():
+    """The agent's shared store keeps every attempt's keys: each attempt its own namespace. With
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (an elastic node range) each group gets a fresh store,
+    where the agents' restart counts may differ: a node that joined counts from 0."""
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert store_namespace(shared) == "titanlite/attempt_2/"
+    fresh = {"TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert store_namespace({**fresh, "TORCHELASTIC_RESTART_COUNT": "1"}) == "titanlite/"
+    assert store_namespace({**fresh, "TORCHELASTIC_RESTART_COUNT": "0"}) == "titanlite/"
