@@ -54,6 +54,7 @@ from titanlite.metrics import (
     get_peak_flops,
     init_logger,
 )
+from titanlite.metrics_sinks import SampleIdLog
 from titanlite.models import get_family
 from titanlite.optim import build_lr_scheduler, build_optimizer, maybe_step_in_backward
 from titanlite.parallel_dims import loss_parallel_ctx
@@ -170,6 +171,9 @@ class Trainer:
             num_microbatches=job.num_microbatches, vocab_size=vocab, seed=cfg.debug.seed,
             validation=cfg.validation,
         )  # fmt: skip
+        self.sample_ids = SampleIdLog(
+            cfg.debug.log_sample_ids, cfg.job.dump_folder, self.rank == self.log_rank, self.loader
+        )
         val_loader = None
         if cfg.validation.enable:
             val_loader = build_validation_loader(
@@ -263,6 +267,7 @@ class Trainer:
                 with peers_watched(st.step + 1, cfg.comm.train_timeout_seconds):
                     out = self.train_step(log=self.log_schedule.due(st.step + 1))
                 st.step += 1
+                self.sample_ids.write(st.step)
                 if st.step == first + 1:  # start-up is over: from now on a silent rank is a fault
                     self.timeouts.training()
                 st.tokens_seen += self.global_batch_size * cfg.training.seq_len
@@ -378,6 +383,7 @@ class Trainer:
         run failed), stop the prefetch threads."""
         self.checkpointer.close()
         self.metrics.close(exit_code)
+        self.sample_ids.close()
         self.loader.close()
 
 
