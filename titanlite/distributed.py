@@ -157,18 +157,21 @@ _PEER_LOST = ("Timed out waiting", "Connection closed by peer", "Connection rese
 
 
 @contextlib.contextmanager
-def peers_watched(step: int, timeout_s: float):
-    """Re-raise a collective's failure inside step `step` as PeerFailure: one line naming the
-    step and what the backend said, instead of a traceback per rank."""
+def peers_watched(step: int, timeout_s: float, option: str = "comm.train_timeout_seconds"):
+    """Re-raise a collective's failure inside step `step` (or its save) as PeerFailure: one line
+    naming the step, the timeout and its `option`, and what the backend said, instead of a
+    traceback per rank."""
     try:
         yield
+    except PeerFailure:
+        raise
     except RuntimeError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if not any(sign in str(e) for sign in _PEER_LOST):
             raise
         raise PeerFailure(
             f"step {step}: a collective failed, a rank died or hangs (the timeout is "
-            f"{timeout_s:g} s, comm.train_timeout_seconds): {reason}"
+            f"{timeout_s:g} s, {option}): {reason}"
         ) from e
 
 
