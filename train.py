@@ -54,6 +54,7 @@ from titanlite.metrics import (
     get_peak_flops,
     init_logger,
 )
+from titanlite.metrics_sinks import SampleIdLog
 from titanlite.models import get_family
 from titanlite.optim import build_lr_scheduler, build_optimizer, maybe_step_in_backward
 from titanlite.parallel_dims import loss_parallel_ctx
@@ -66,6 +67,7 @@ from titanlite.train_state import TrainState
 from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
+SAVING = "comm.init_timeout_seconds while saving"  # the collectives' timeout during saves
 
 
 def forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0, sync_only_last=False,
@@ -170,6 +172,9 @@ class Trainer:
             num_microbatches=job.num_microbatches, vocab_size=vocab, seed=cfg.debug.seed,
             validation=cfg.validation,
         )  # fmt: skip
+        self.sample_ids = SampleIdLog(
+            cfg.debug.log_sample_ids, cfg.job.dump_folder, self.rank == self.log_rank, self.loader
+        )
         val_loader = None
         if cfg.validation.enable:
             val_loader = build_validation_loader(
@@ -263,6 +268,7 @@ class Trainer:
                 with peers_watched(st.step + 1, cfg.comm.train_timeout_seconds):
                     out = self.train_step(log=self.log_schedule.due(st.step + 1))
                 st.step += 1
+                self.sample_ids.write(st.step)
                 if st.step == first + 1:  # start-up is over: from now on a silent rank is a fault
                     self.timeouts.training()
                 st.tokens_seen += self.global_batch_size * cfg.training.seq_len
@@ -280,7 +286,9 @@ class Trainer:
                 if values:
                     self.metrics.log(st.step, values)
                 if self.checkpointer.due(st.step, final=st.step == last or out.stop):
-                    with self.timeouts.saving():
+                    # A node lost during a save (seconds of writes between collectives), too.
+                    watched = peers_watched(st.step, cfg.comm.init_timeout_seconds, SAVING)
+                    with watched, self.timeouts.saving():
                         self.checkpointer.save(st.step)
                 if out.stop:
                     logger.warning("stop requested by signal: saved step %d, exiting", st.step)
@@ -378,6 +386,7 @@ class Trainer:
         run failed), stop the prefetch threads."""
         self.checkpointer.close()
         self.metrics.close(exit_code)
+        self.sample_ids.close()
         self.loader.close()
 
 

@@ -16,17 +16,27 @@ Faults (scripts/fault_inject.py injects them as step 5 starts; checkpoints every
 - bitflip: after a finished run, one bit flipped in rank 1's file of its last checkpoint; the
   rerun (detected = from its launch to its one-line error), then the rerun with the step it
   names (back = its first step after resuming).
+- shrink: two nodes of ranks/2 workers in torchrun's elastic range (--nnodes 1:2, a fresh store
+  per group, 1 s rendezvous timeouts, 16 steps): as step 5 starts one node dies (its agent and
+  workers SIGKILLed; detected = the peer's error, back = the first step of the smaller group);
+  once that group trains, the node's agent starts again (detected = the group's stop, back = its
+  first step with the node back).
 Times are seconds from the fault (the moment the injector wrote down; for bad data, the launch)
 to what followed, read from the run's output as it arrives. Prints a Markdown table.
 """
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +49,8 @@ RUN = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512",
        "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2"]  # fmt: skip
 FAULT_STEP = 5
 JUNK_STEP = 7  # after six steps on short documents, whose loss falls fast
+# The dead node's heartbeats lapse after 4 s, then the group re-forms 1 s later (torch: 15 + 30).
+ELASTIC_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4"
 
 
 def watch(cmd: list, patterns: dict) -> tuple[int, dict, str]:
@@ -187,11 +199,89 @@ def bitflip(ranks: int, dump: Path) -> list:
             f"the {8 - int(good.group(1))} steps since step {good.group(1)}"]  # fmt: skip
 
 
+class Agent:
+    """A torchrun agent of the elastic drill, its output lines timed as they arrive."""
+
+    def __init__(self, cmd: list, env: dict):
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)  # fmt: skip
+        self.lines, self.seen = [], 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line))
+
+    def next(self, pattern: str, timeout: float = 300) -> float:
+        """When the next line matching `pattern` (after the last one matched) arrived."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for i in range(self.seen, len(self.lines)):
+                if re.search(pattern, self.lines[i][1]):
+                    self.seen = i + 1
+                    return self.lines[i][0]
+            time.sleep(0.05)
+        raise RuntimeError(f"no {pattern!r} within {timeout} s:\n{self.output()[-3000:]}")
+
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def kill_node(self) -> None:
+        """SIGKILL the agent and its workers at once, as a node dies."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        self.proc.kill()
+        for pid in map(int, out.stdout.split()):
+            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def shrink(ranks: int, timeout: int, dump: Path) -> list:
+    node = max(ranks // 2, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+    def agent(host: bool) -> Agent:
+        conf = f"{ELASTIC_CONF},is_host={host:d}"
+        return Agent([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+                      "--nproc_per_node", str(node), "--max-restarts", "3", "--rdzv_backend",
+                      "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "drill",
+                      "--rdzv_conf", conf, "train.py", *RUN, "--training.steps", "16",
+                      "--comm.train_timeout_seconds", str(timeout),
+                      "--job.dump_folder", str(dump)], env)  # fmt: skip
+
+    first, second = agent(True), agent(False)  # the first hosts the rendezvous and stays
+    first.next(rf"Saved checkpoint \S+step-{FAULT_STEP - 1}")  # as step 5 starts
+    killed = time.time()
+    second.kill_node()
+    detected, back = first.next(r"a collective failed"), first.next(r"INFO step ")
+    resumed = re.findall(r"training from step (\d+)", first.output())[-1]
+    joined, third = time.time(), agent(False)
+    stopped, _ = first.next(r"Got signal 15"), first.next(r"training from step")
+    regrown = first.next(r"INFO step ")
+    codes = first.proc.wait(), third.proc.wait()
+    saved = re.findall(r"saved step (\d+), exiting", first.output())[-1]
+    return [[f"a node of {node} rank(s) SIGKILLed (agent and workers), 2 nodes in "
+             "`--nnodes 1:2`", "a peer logs the step and exits 4; torchrun re-forms the job on "
+             f"the node left, which resumes from step {resumed}",
+             f"{detected - killed:.1f} s; training again on {node} rank(s) after "
+             f"{back - killed:.1f} s",
+             f"{FAULT_STEP - 1 - int(resumed)} completed step(s), and the step in progress"],
+            [f"the node's agent started again, {node} rank(s) training",
+             f"torchrun stops the group (SIGTERM: it saves step {saved}); {2 * node} ranks "
+             f"resume from it (exit {codes[0]}, {codes[1]})",
+             f"{stopped - joined:.1f} s from the agent's start; training on {2 * node} ranks "
+             f"after {regrown - joined:.1f} s", "nothing: the group saves as it stops"],
+            ]  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--train_timeout", type=int, default=10, help="comm.train_timeout_seconds")
-    faults = ["kill", "stop", "junk", "full", "bad", "bitflip"]
+    faults = ["kill", "stop", "junk", "full", "bad", "bitflip", "shrink"]
     ap.add_argument("--only", nargs="+", default=faults, choices=faults)
     a = ap.parse_args()
     rows = []
@@ -206,6 +296,8 @@ def main() -> int:
                 rows.append(bad_rows(dump))
             elif name == "bitflip":
                 rows.append(bitflip(a.ranks, dump))
+            elif name == "shrink":
+                rows += shrink(a.ranks, a.train_timeout, dump)
             elif (row := full_disk(dump)) is not None:
                 rows.append(row)
             else:

@@ -11,11 +11,14 @@ from conftest import torchrun_script
 from torch import nn
 
 from titanlite.distributed import (
+    PeerFailure,
     clip_grad_norm_,
     destroy,
     device_and_backend,
     dist_sum,
     init_distributed,
+    peers_watched,
+    store_namespace,
     world_sum,
 )
 
@@ -173,3 +176,31 @@ def test_four_ranks(tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+def test_store_namespace_per_attempt_only_where_torchruns_store_outlives_the_group():
+    """The agent's shared store keeps every attempt's keys: each attempt its own namespace. With
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (an elastic node range) each group gets a fresh store,
+    where the agents' restart counts may differ: a node that joined counts from 0."""
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert store_namespace(shared) == "titanlite/attempt_2/"
+    fresh = {"TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert store_namespace({**fresh, "TORCHELASTIC_RESTART_COUNT": "1"}) == "titanlite/"
+    assert store_namespace({**fresh, "TORCHELASTIC_RESTART_COUNT": "0"}) == "titanlite/"
+
+
+def test_a_lost_peer_is_one_line_naming_the_step_and_the_timeout_in_force():
+    gloo = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:9092: Connection reset by peer"
+    saving = peers_watched(3, 300, "comm.init_timeout_seconds while saving")
+    with pytest.raises(PeerFailure) as info, saving:
+        raise RuntimeError(gloo)
+    assert str(info.value) == (
+        "step 3: a collective failed, a rank died or hangs (the timeout is 300 s, "
+        f"comm.init_timeout_seconds while saving): {gloo}"
+    )
+    # A save's failure inside the step's watch: as the save's watch said it.
+    with pytest.raises(PeerFailure) as outer, peers_watched(3, 10), peers_watched(3, 300, "saving"):
+        raise RuntimeError(gloo)
+    assert "(the timeout is 300 s, saving)" in str(outer.value)
+    with pytest.raises(RuntimeError, match="shape mismatch"), peers_watched(3, 10):
+        raise RuntimeError("shape mismatch")  # not a lost peer: untouched

@@ -1,7 +1,13 @@
 """titanlite/metrics_sinks.py: the W&B run's names from the environment (the sinks' output is
-tested through MetricsLogger in tests/test_metrics.py)."""
+tested through MetricsLogger in tests/test_metrics.py); the sample id log."""
 
-from titanlite.metrics_sinks import wandb_run_args
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from titanlite.config import ConfigError
+from titanlite.metrics_sinks import SampleIdLog, wandb_run_args
 
 
 def test_wandb_run_args_from_the_environment(tmp_path):
@@ -20,3 +26,26 @@ def test_wandb_run_args_from_the_environment(tmp_path):
     assert args["entity"] == "e" and args["name"] == "rank_3" and args["group"] == "my_run"
     assert args["id"].endswith("-rank_3")
     assert wandb_run_args({"WANDB_RUN_GROUP": "g", **env}, 0, tmp_path)["group"] == "g"
+
+
+def test_sample_id_log_writes_the_served_steps_samples(tmp_path):
+    served = SimpleNamespace(step=0)
+    loader = SimpleNamespace(
+        sharded=False,
+        state_dict=lambda: {"step": served.step},
+        step_samples=lambda step: [10 * step, 10 * step + 1],
+    )
+    log = SampleIdLog(True, str(tmp_path), True, loader)
+    for step in (1, 2, 2):  # step 2 redone after a restart: logged again
+        served.step = step
+        log.write(step)
+    log.close()
+    lines = (tmp_path / "sample_ids.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"step": 1, "samples": [0, 1]}, {"step": 2, "samples": [10, 11]},
+        {"step": 2, "samples": [10, 11]},
+    ]  # fmt: skip
+    SampleIdLog(True, str(tmp_path / "other"), False, loader).write(1)  # not the log rank
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ConfigError, match="debug.log_sample_ids needs map-style data"):
+        SampleIdLog(True, str(tmp_path), True, SimpleNamespace(sharded=True))

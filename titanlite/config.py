@@ -398,6 +398,9 @@ class Debug:
     deterministic_warn_only: bool = opt(
         False, "With deterministic: warn, not fail, on an op that has no deterministic kernel"
     )
+    log_sample_ids: bool = opt(
+        False, "Write each step's token cache sample ids (its global batch) to sample_ids.jsonl"
+    )
 
 
 @dataclass

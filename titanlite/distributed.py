@@ -88,20 +88,32 @@ def init_fake_distributed(rank: int, world_size: int) -> tuple[int, int, int, to
 
 
 def _init_process_group(backend: str, device_id: torch.device | None, timeout) -> None:
-    """init_process_group on torchrun's store, namespaced by the elastic restart count.
-
-    After `torchrun --max-restarts` restarts a group, the agent's store still holds the previous
-    attempt's keys (gloo's peer addresses among them); a restarted rank that reads one before
-    its peer overwrites it connects to a dead address ("Connection refused"). A per-attempt
-    prefix makes each attempt rendezvous in a clean namespace.
-    """
+    """init_process_group on torchrun's store, namespaced by the elastic restart count where
+    that store outlives the group."""
     store, rank, world_size = next(dist.rendezvous("env://"))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"titanlite/attempt_{attempt}/", store)
+    store = dist.PrefixStore(store_namespace(os.environ), store)
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world_size, device_id=device_id,
         timeout=timeout,
     )  # fmt: skip
+
+
+def store_namespace(environ) -> str:
+    """The key prefix of this group's rendezvous in torchrun's store.
+
+    By default torchrun's agent of node rank 0 hosts one store for all its groups: after
+    `--max-restarts` restarts a group, it still holds the previous attempt's keys (gloo's peer
+    addresses among them), and a restarted rank that reads one before its peer overwrites it
+    connects to a dead address ("Connection refused"); a per-attempt prefix gives each attempt a
+    clean namespace. Every agent counts the same restarts only while the membership stays: a
+    node that joins an elastic range (`--nnodes MIN:MAX`) starts at 0 while the others count on,
+    and a membership change restarts the group without counting. So an elastic range runs with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, where rank 0 hosts a fresh store for each group, whose
+    ranks must then share the plain namespace.
+    """
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return "titanlite/"
+    return f"titanlite/attempt_{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def set_collective_timeout(seconds: float, keep=()) -> None:
@@ -145,18 +157,21 @@ _PEER_LOST = ("Timed out waiting", "Connection closed by peer", "Connection rese
 
 
 @contextlib.contextmanager
-def peers_watched(step: int, timeout_s: float):
-    """Re-raise a collective's failure inside step `step` as PeerFailure: one line naming the
-    step and what the backend said, instead of a traceback per rank."""
+def peers_watched(step: int, timeout_s: float, option: str = "comm.train_timeout_seconds"):
+    """Re-raise a collective's failure inside step `step` (or its save) as PeerFailure: one line
+    naming the step, the timeout and its `option`, and what the backend said, instead of a
+    traceback per rank."""
     try:
         yield
+    except PeerFailure:
+        raise
     except RuntimeError as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if not any(sign in str(e) for sign in _PEER_LOST):
             raise
         raise PeerFailure(
             f"step {step}: a collective failed, a rank died or hangs (the timeout is "
-            f"{timeout_s:g} s, comm.train_timeout_seconds): {reason}"
+            f"{timeout_s:g} s, {option}): {reason}"
         ) from e
 
 

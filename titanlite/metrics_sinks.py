@@ -1,4 +1,5 @@
-"""Where logged metrics go besides the console: TensorBoard, a JSONL file, Weights & Biases.
+"""Where logged metrics go besides the console: TensorBoard, a JSONL file, Weights & Biases;
+and the record of the samples each step trained on (debug.log_sample_ids).
 
 Each sink takes a step's values as Python floats (None = not measured this step) and writes them
 under one naming: the JSONL keys as given, TensorBoard and W&B under the tags below.
@@ -9,6 +10,8 @@ import os
 import uuid
 from pathlib import Path
 from typing import Protocol
+
+from titanlite.config import ConfigError
 
 # Keys every JSONL record has (null when not given), with their TensorBoard names.
 TB_TAGS = {
@@ -143,3 +146,31 @@ def build_sinks(cfg, dump_folder: Path, rank: int | None, run_config: dict | Non
     if cfg.enable_wandb:
         sinks.append(WandbSink(dump_folder, rank, run_config))
     return sinks
+
+
+class SampleIdLog:
+    """{dump_folder}/sample_ids.jsonl: a line per step, `{"step": k, "samples": [...]}`, the
+    token cache's sample ids of the global batch the loader served for it (debug.log_sample_ids,
+    written where `writes`: the log rank). A step redone after a restart gets a second line, the
+    one that counts, as in metrics.jsonl."""
+
+    def __init__(self, enabled: bool, dump_folder: str, writes: bool, loader):
+        if enabled and loader.sharded:
+            raise ConfigError(
+                "debug.log_sample_ids needs map-style data (a token store or the token cache): "
+                "a streamed source's rows are counted per dp rank, with no global sample ids"
+            )
+        self.loader, self.file = loader, None
+        if enabled and writes:
+            Path(dump_folder).mkdir(parents=True, exist_ok=True)
+            # Line-buffered: a killed run keeps every step it logged.
+            self.file = open(Path(dump_folder) / "sample_ids.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def write(self, step: int) -> None:
+        if self.file is not None:
+            samples = self.loader.step_samples(self.loader.state_dict()["step"] - 1)
+            self.file.write(json.dumps({"step": step, "samples": samples}) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

@@ -217,3 +217,18 @@ def test_a_store_built_skipping_rows_is_judged_by_each_runs_limit(data, texts, t
     assert "more than training.dataset_max_bad_rows = 1 allows" in str(err.value)
     with pytest.raises(ConfigError, match=f"{data}:6: not valid JSON"):
         train_loader(replace(cfg, dataset_max_bad_rows=0), tok)
+
+
+def test_step_samples_are_the_rows_every_dp_rank_trains_on(data, tmp_path, tok, rank_loaders,
+                                                            next_global_steps):  # fmt: skip
+    """debug.log_sample_ids names a step's samples by step_samples: the cache's samples whose
+    windows the dp ranks' microbatches hold, rank-major, under any split."""
+    loaders = rank_loaders(tcfg(data, tmp_path), tok, 2, 2)  # 2 microbatches of 2 rows a rank
+    got = next_global_steps(loaders, 3)
+    for step, (tokens, _) in enumerate(got):
+        ids = loaders[1].step_samples(step)
+        windows = np.stack([loaders[0].order.get(i) for i in ids]).astype(np.int64)
+        assert torch.equal(tokens, torch.from_numpy(windows[:, :-1]))
+    assert loaders[0].step_samples(2) != loaders[0].step_samples(1)
+    for ld in loaders:
+        ld.close()

@@ -5,41 +5,16 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_TRAIN, TRAIN, free_port, read_jsonl
+from agents import agent_env, finish, last_losses, torchrun, workers
+from conftest import REPO, TINY_TRAIN, free_port
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 TINY = [*TINY_TRAIN, "--training.global_batch_size", "4"]  # one microbatch a rank on 2 or 4 ranks
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def _torchrun(launch: list[str], args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *launch, str(TRAIN), *args]
-
-
-def _last_losses(folder: Path) -> dict[int, float]:
-    """step -> loss of its last occurrence: steps re-done after a restart are logged twice."""
-    return {r["step"]: r["loss"] for r in read_jsonl(folder / "metrics.jsonl")}
-
-
-def _finish(proc: subprocess.Popen, timeout: int = 300) -> str:
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        for pid in _workers(proc.pid):  # they outlive a killed agent
-            os.kill(pid, signal.SIGKILL)
-        proc.kill()
-        pytest.fail(f"still running after {timeout} s:\n{proc.communicate()[0][-6000:]}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-6000:]}"
-    return out
 
 
 def test_two_nodes_match_one_node(tmp_path, train_runner):
@@ -51,12 +26,12 @@ def test_two_nodes_match_one_node(tmp_path, train_runner):
     two = tmp_path / "two"
     rdzv = ["--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
             "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "two-nodes"]  # fmt: skip
-    cmd = _torchrun(rdzv, [*args, "--job.dump_folder", str(two)])
+    cmd = torchrun(rdzv, [*args, "--job.dump_folder", str(two)])
     nodes = [
         subprocess.Popen(
             cmd,
             cwd=REPO,
-            env=_env(),
+            env=agent_env(),
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -64,18 +39,11 @@ def test_two_nodes_match_one_node(tmp_path, train_runner):
         for _ in range(2)
     ]
     for node in nodes:
-        _finish(node)
-    a, b = _last_losses(one), _last_losses(two)
+        finish(node)
+    a, b = last_losses(one), last_losses(two)
     assert sorted(b) == [1, 2, 3, 4]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
-
-
-def _workers(agent_pid: int) -> list[int]:
-    """The train.py processes torchrun started (its children)."""
-    out = subprocess.run(["pgrep", "-P", str(agent_pid)], capture_output=True, text=True)
-    pids = [int(p) for p in out.stdout.split()]
-    return [p for p in pids if "train.py" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")]
 
 
 @pytest.mark.skipif(shutil.which("pgrep") is None, reason="needs pgrep (procps) to find workers")
@@ -89,24 +57,24 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, train_runner):
     out = tmp_path / "elastic"
     # 3, not 1: on a loaded machine a restarted group's gloo connect is sometimes refused once.
     launch = ["--standalone", "--nproc_per_node", "2", "--max-restarts", "3"]
-    cmd = _torchrun(launch, [*args, "--job.dump_folder", str(out)])
+    cmd = torchrun(launch, [*args, "--job.dump_folder", str(out)])
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        cmd, cwd=REPO, env=agent_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     jsonl = out / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (jsonl.exists() and max(_last_losses(out), default=0) >= 3):
+    while not (jsonl.exists() and max(last_losses(out), default=0) >= 3):
         assert proc.poll() is None and time.monotonic() < deadline, "no step 3 logged"
         time.sleep(0.05)
-    victim = _workers(proc.pid)[-1]
+    victim = workers(proc.pid)[-1]
     os.kill(victim, signal.SIGKILL)
-    log = _finish(proc)
+    log = finish(proc)
 
     starts = [line for line in log.splitlines() if "training from step" in line]
     assert len(starts) >= 2, log[-4000:]  # the first run and the restarted one(s)
     resumed = int(starts[-1].split("training from step")[1].split()[0])
     assert resumed >= 2, starts
-    a, b = _last_losses(straight), _last_losses(out)
+    a, b = last_losses(straight), last_losses(out)
     assert sorted(b) == list(range(1, 9))
     assert [b[s] for s in range(resumed + 1, 9)] == [a[s] for s in range(resumed + 1, 9)]
 

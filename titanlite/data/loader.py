@@ -116,7 +116,7 @@ class TrainLoader:
             start, stop = self._items.rows(step, 0)[0], self._items.rows(step + 1, 0)[0]
             return f"rows [{start}, {stop}) of dp rank {self.dp_rank}'s share of the stream"
         g = self.global_batch_size
-        samples = self.order.samples(step * g, (step + 1) * g).tolist()
+        samples = self.step_samples(step)
         more = f", ... ({len(samples)} in all)" if len(samples) > shown else ""
         return (
             f"data order positions [{step * g}, {(step + 1) * g}) (epoch "
@@ -124,6 +124,13 @@ class TrainLoader:
             + ", ".join(map(str, samples[:shown]))
             + more
         )
+
+    def step_samples(self, step: int) -> list[int]:
+        """The token cache's samples of global step `step` (0-based): the whole global batch,
+        every dp rank's rows in order."""
+        assert not self.sharded, "a stream's rows are per dp rank, with no global sample ids"
+        g = self.global_batch_size
+        return self.order.samples(step * g, (step + 1) * g).tolist()
 
     def skipped_rows(self) -> int | None:
         """Bad rows left out (None when training.dataset_max_bad_rows is off): the corpus's,
