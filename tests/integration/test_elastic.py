@@ -92,11 +92,12 @@ def test_a_node_leaves_and_joins_again_through_the_elastic_range(tmp_path):
         if held:
             cmd[1:3] = ["-c", HELD_AGENT]
         logs.append(tmp_path / f"agent-{len(logs)}.log")
-        return subprocess.Popen(
-            cmd, cwd=REPO, env=agent_env(**ELASTIC_ENV), text=True,
-            stdin=subprocess.PIPE if held else subprocess.DEVNULL,
-            stdout=open(logs[-1], "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        )  # fmt: skip
+        with open(logs[-1], "w") as log:  # the agent writes to its own copy
+            return subprocess.Popen(
+                cmd, cwd=REPO, env=agent_env(**ELASTIC_ENV), text=True,
+                stdin=subprocess.PIPE if held else subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
 
     # The first agent hosts the rendezvous: the node that dies must not be the one holding it.
     first, second = agent(host=True), agent(host=False)
@@ -126,7 +127,10 @@ def test_a_node_leaves_and_joins_again_through_the_elastic_range(tmp_path):
     assert _worlds(out) == [4, 2, 4]
     starts = [int(line.split("training from step")[1].split()[0])
               for line in log.splitlines() if "training from step" in line]  # fmt: skip
-    assert len(starts) == 3 and 2 <= starts[1] < starts[2] < STEPS, starts
+    # As a set: a group's start may be retried (a gloo connect refused once on a loaded machine).
+    first_steps = sorted(set(starts))
+    assert len(first_steps) == 3 and first_steps[0] == 0, starts
+    assert 2 <= first_steps[1] < first_steps[2] < STEPS, starts
     assert "Data loader position carries over from dp degree 4 to 2" in log
     assert "Data loader position carries over from dp degree 2 to 4" in log
 
