@@ -67,7 +67,6 @@ from titanlite.train_state import TrainState
 from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
-SAVING = "comm.init_timeout_seconds while saving"  # the collectives' timeout during saves
 
 
 def forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0, sync_only_last=False,
@@ -286,9 +285,7 @@ class Trainer:
                 if values:
                     self.metrics.log(st.step, values)
                 if self.checkpointer.due(st.step, final=st.step == last or out.stop):
-                    # A node lost during a save (seconds of writes between collectives), too.
-                    watched = peers_watched(st.step, cfg.comm.init_timeout_seconds, SAVING)
-                    with watched, self.timeouts.saving():
+                    with self.timeouts.saving(st.step):
                         self.checkpointer.save(st.step)
                 if out.stop:
                     logger.warning("stop requested by signal: saved step %d, exiting", st.step)

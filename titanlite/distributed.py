@@ -141,9 +141,12 @@ class CollectiveTimeouts:
         set_collective_timeout(self.train_s, self.keep)
 
     @contextlib.contextmanager
-    def saving(self):
+    def saving(self, step: int):
+        """The save of `step`; a peer lost during it (seconds of writes between collectives) is
+        the same one line as in a step, naming the timeout in force."""
         set_collective_timeout(self.init_s, self.keep)
-        yield
+        with peers_watched(step, self.init_s, "comm.init_timeout_seconds while saving"):
+            yield
         self.training()
 
 
