@@ -209,7 +209,9 @@ def _release_mesh_groups() -> None:
     a 4-rank FSDP run, after train.py's teardown) and are closed during interpreter shutdown, at
     a different moment on each rank."""
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # type(), not isinstance(): the heap holds weak proxies (isinstance on a dead one raises
+        # ReferenceError) and objects whose __instancecheck__ warns or fails.
+        if issubclass(type(obj), DeviceMesh):
             registry = getattr(obj, "_pg_registry", None)
             if registry:
                 registry.clear()
