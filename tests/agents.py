@@ -50,8 +50,9 @@ def finish(proc: subprocess.Popen, timeout: int = 300, log: Path | None = None) 
         out = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         kill_node(proc)
-        out = proc.communicate()[0] or log.read_text()
+        out = proc.communicate()[0] if log is None else log.read_text()
         pytest.fail(f"still running after {timeout} s:\n{out[-6000:]}")
-    out = out or log.read_text()
+    # A piped agent may have printed nothing (an empty string is its whole output).
+    out = out if log is None else log.read_text()
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-6000:]}"
     return out
