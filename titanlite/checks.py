@@ -19,7 +19,7 @@ from titanlite.data.store import is_store
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
-from titanlite.models.llama.pipeline import PipelinePlan, canonical_schedule, plan_pipeline
+from titanlite.models.llama.pipeline_plan import PipelinePlan, canonical_schedule, plan_pipeline
 from titanlite.parallel_dims import ParallelDims
 
 

@@ -69,7 +69,7 @@ import torch
 
 from titanlite.models import get_family
 from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.pipeline import SINGLE_STAGE, plan_pipeline
+from titanlite.models.llama.pipeline_plan import SINGLE_STAGE, plan_pipeline
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -1,7 +1,9 @@
-"""Pipeline planning (pure Python: stage split, schedules, microbatches, bad inputs) and stage
-cutting on the meta device. The schedules' numerics are proven end to end in
+"""Pipeline planning (pipeline_plan.py, pure Python: stage split, schedules, microbatches, bad
+inputs) and stage cutting on the meta device. The schedules' numerics are proven end to end in
 tests/integration/test_pipeline_numerics.py."""
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -11,12 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from titanlite.models.llama.args import get_model_args
 from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.pipeline import (
-    PipelinedModel,
-    cut_stage,
-    plan_pipeline,
-    split_layers,
-)
+from titanlite.models.llama.pipeline import PipelinedModel, cut_stage
+from titanlite.models.llama.pipeline_plan import plan_pipeline, split_layers
 
 
 def options(schedule="1F1B", layers_per_stage=0, first=1, last=1, microbatch_size=1, csv=""):
@@ -159,3 +157,16 @@ def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule, csv, 
     for name, p in whole.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, msg=name)
     assert set(chunks) == {5}  # every last-stage forward used the chunked loss
+
+
+def test_a_run_without_pipeline_parallelism_does_not_import_the_pipeline_runtime():
+    """torch.distributed.pipelining imports torch._dynamo, about half a second of every
+    process's start-up here: train.py (with the registered families) and the planning code must
+    not load it."""
+    code = (
+        "import sys, train, titanlite.plan.perf, titanlite.memory_estimate; "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.pipelining', "
+        "'torch._dynamo'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

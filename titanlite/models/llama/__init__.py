@@ -1,15 +1,20 @@
 """Llama 3 (Meta's architecture, plain PyTorch), registered as model.name "llama3"."""
 
+from torch import nn
+
 from titanlite.metrics import num_flops_per_token
 from titanlite.models import ModelFamily, register
 from titanlite.models.llama.args import LLAMA3_FLAVORS, get_model_args
 from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.parallelize import apply_tp, init_weights_parallel, parallelize_llama
-from titanlite.models.llama.pipeline import PipelinedModel, cut_stages
 
 
-def pipeline_llama(model, plan, parallel_dims, prepare_stage, device) -> PipelinedModel:
+def pipeline_llama(model, plan, parallel_dims, prepare_stage, device) -> nn.Module:
     """This rank's stages of the meta model, each prepared (parallelized and allocated)."""
+    # Imported here, not at the top: torch.distributed.pipelining imports torch._dynamo, about a
+    # second of every process's start-up on a 2-core machine, which runs without PP never use.
+    from titanlite.models.llama.pipeline import PipelinedModel, cut_stages
+
     pd = parallel_dims
     ids, stages = cut_stages(model, plan, pd.pp_mesh, pd.tp_mesh)
     return PipelinedModel([prepare_stage(s) for s in stages], ids, plan, pd.pp_mesh, device)
