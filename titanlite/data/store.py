@@ -16,6 +16,7 @@ file grows with the whole corpus (no 4 GB or single-file limit).
 import json
 import os
 import uuid
+from array import array
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,8 +53,14 @@ def write_shard(folder: Path, k: int, docs: list[list[int]], dtype: np.dtype) ->
     np.cumsum([len(d) for d in docs], out=offsets[1:])
     bin_name, idx_name = shard_files(k)
     tmp = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # array.array takes Python ints at C speed: np.concatenate of the lists took ~15% of the
+    # time spent encoding them. numpy's type character names the same C type in both modules.
+    tokens = array(np.dtype(dtype).char)
+    assert tokens.itemsize == dtype.itemsize, (dtype, tokens.typecode)
+    for d in docs:
+        tokens.extend(d)
     with open(folder / (bin_name + tmp), "wb") as f:
-        f.write(np.concatenate(docs).astype(dtype, copy=False).tobytes())
+        f.write(tokens.tobytes())
     with open(folder / (idx_name + tmp), "wb") as f:  # a file object: np.save adds no suffix
         np.save(f, offsets)
     os.replace(folder / (bin_name + tmp), folder / bin_name)

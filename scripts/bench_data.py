@@ -1,0 +1,113 @@
+"""Data preparation against the tokenizer's own speed: `prepare_data.py`'s build (read the
+source, tokenize, write the shards) in tokens/s per worker beside tiktoken's own batch encoding
+of the same documents in one process and one thread, and 2 workers beside 1.
+
+    python scripts/bench_data.py                           # 80,000 documents cut from the stdlib
+    python scripts/bench_data.py --docs 200000 --repeats 3 --workers 1,2,4
+
+The corpus is a JSONL file of `--docs` documents of about `--doc_chars` characters each, cut from
+the Python standard library's sources (what the default dataset trains on), so a build has many
+shards to hand out. Each repeat times, in turn: tiktoken's `encode_ordinary_batch(texts,
+num_threads=1)` of the corpus' texts (already in memory), then `build_store` (what
+prepare_data.py runs) with each worker count into a fresh folder, the pool's start included.
+Reported: medians over the repeats. The worker processes share the machine with the main process,
+which reads the JSONL and hands texts out: on a machine with W cores, W workers compete with it.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titanlite.config_parse import parse_args  # noqa: E402
+from titanlite.data.sources import local_source, stdlib_files  # noqa: E402
+from titanlite.data.store_build import build_store  # noqa: E402
+from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
+
+
+def write_corpus(path: Path, docs: int, doc_chars: int) -> None:
+    """`docs` JSONL rows of ~doc_chars characters, cut at line ends from the stdlib's sources
+    (cycled when the corpus asks for more text than the stdlib holds)."""
+    _, files = stdlib_files()
+    written = 0
+    with open(path, "w") as out:
+        while written < docs:
+            for f in files:
+                text, start = f.read_text(encoding="utf-8", errors="replace"), 0
+                while start < len(text) and written < docs:
+                    end = text.find("\n", start + doc_chars)
+                    end = len(text) if end < 0 else end + 1
+                    out.write(json.dumps({"text": text[start:end]}) + "\n")
+                    start, written = end, written + 1
+                if written >= docs:
+                    return
+
+
+def tiktoken_rate(tokenizer, texts: list[str]) -> float:
+    """tokens/s of tiktoken's own batch encoding, one thread."""
+    start = time.perf_counter()
+    batch = tokenizer.encoding.encode_ordinary_batch(texts, num_threads=1)
+    seconds = time.perf_counter() - start
+    return (sum(map(len, batch)) + 2 * len(texts)) / seconds  # + the bos and eos the store adds
+
+
+def build_rate(source, tokenizer, folder: Path, workers: int) -> float:
+    """tokens/s of a whole build_store (prepare_data.py's work) into a fresh folder."""
+    out = folder / f"store-{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    meta = build_store(source, tokenizer, out, workers)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(out)
+    return meta["num_tokens"] / seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=int, default=80_000, help="documents in the corpus")
+    ap.add_argument("--doc_chars", type=int, default=2000, help="about this many characters each")
+    ap.add_argument("--workers", default="1,2", help="worker counts to time, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--folder", default="", help="where the corpus and stores go (default: tmp)")
+    args, rest = ap.parse_known_args(argv)
+    workers = [int(w) for w in args.workers.split(",")]
+    tokenizer = build_tokenizer(parse_args(rest).model)
+    folder = Path(args.folder or tempfile.mkdtemp(prefix="bench_data_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    # datasets' Arrow copy of the corpus goes with it, not into the user's cache (read at the
+    # first datasets import, which comes later).
+    os.environ.setdefault("HF_DATASETS_CACHE", str(folder / "hf_datasets"))
+    corpus = folder / "corpus.jsonl"
+    write_corpus(corpus, args.docs, args.doc_chars)
+    source = local_source(str(corpus))
+    texts = list(source.documents())
+    chars = sum(map(len, texts))
+    print(f"corpus: {len(texts):,} documents, {chars / 1e6:.1f} M characters, "
+          f"tokenizer {tokenizer.identity}, {os.cpu_count()} CPUs", flush=True)  # fmt: skip
+    rates: dict[str, list[float]] = {"tiktoken": [], **{f"build {w}": [] for w in workers}}
+    for r in range(args.repeats):
+        rates["tiktoken"].append(tiktoken_rate(tokenizer, texts))
+        for w in workers:
+            rates[f"build {w}"].append(build_rate(source, tokenizer, folder, w))
+        print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1] / 1e6:.3f}" for k, v in rates.items())
+              + " M tokens/s", flush=True)  # fmt: skip
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"tiktoken alone (1 thread): {med['tiktoken'] / 1e6:.3f} M tokens/s")
+    for w in workers:
+        rate, first = med[f"build {w}"], med[f"build {workers[0]}"]
+        print(f"prepare_data, {w} workers: {rate / 1e6:.3f} M tokens/s; per worker "
+              f"{rate / w / med['tiktoken']:.2f} x tiktoken; {rate / first:.2f} x {workers[0]} "
+              f"worker(s)")  # fmt: skip
+    if not args.folder:
+        shutil.rmtree(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
