@@ -47,7 +47,7 @@ def test_draws_only_the_tiles_covering_the_region(monkeypatch):
     drawn = []
     real_draw = tiled_init._draw
     monkeypatch.setattr(
-        tiled_init, "_draw", lambda shape, *a: drawn.append(shape) or real_draw(shape, *a)
+        tiled_init, "_draw", lambda tile, *a: drawn.append(tuple(tile.shape)) or real_draw(tile, *a)
     )
     shape = (64 * TILE_ROWS, 8 * TILE_COLS)
     fill_(torch.empty(TILE_ROWS, TILE_COLS * 2), INIT, seed=1, key="w", global_shape=shape,
