@@ -8,20 +8,26 @@ of the same documents in one process and one thread, and 2 workers beside 1.
 The corpus is a JSONL file of `--docs` documents of about `--doc_chars` characters each, cut from
 the Python standard library's sources (what the default dataset trains on), so a build has many
 shards to hand out. Each repeat times, in turn: tiktoken's `encode_ordinary_batch(texts,
-num_threads=1)` of the corpus' texts (already in memory), then `build_store` (what
-prepare_data.py runs) with each worker count into a fresh folder, the pool's start included.
-Reported: medians over the repeats. The worker processes share the machine with the main process,
-which reads the JSONL and hands texts out: on a machine with W cores, W workers compete with it.
+num_threads=1)` of the corpus' texts (already in memory; the issue's reference), then per worker
+count W: tiktoken alone in W processes at once, each encoding a share to arrays (the machine's
+limit for W workers: its cores, caches and memory shared as the workers share them), and
+`build_store` (what prepare_data.py runs) with W workers into a fresh folder, the pool's start
+included. Reported: medians over the repeats. The worker processes share the
+machine with the main process, which reads the JSONL and hands texts out: on a machine with W
+cores, W workers compete with it.
 """
 
 import argparse
+import functools
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,12 +55,43 @@ def write_corpus(path: Path, docs: int, doc_chars: int) -> None:
                     return
 
 
-def tiktoken_rate(tokenizer, texts: list[str]) -> float:
-    """tokens/s of tiktoken's own batch encoding, one thread."""
+def batch_rate(tokenizer, texts: list[str]) -> float:
+    """tokens/s of tiktoken's own batch encoding in this process, one thread."""
     start = time.perf_counter()
-    batch = tokenizer.encoding.encode_ordinary_batch(texts, num_threads=1)
+    ids = tokenizer.encoding.encode_ordinary_batch(texts, num_threads=1)
     seconds = time.perf_counter() - start
-    return (sum(map(len, batch)) + 2 * len(texts)) / seconds  # + the bos and eos the store adds
+    return (sum(map(len, ids)) + 2 * len(texts)) / seconds  # + the bos and eos the store adds
+
+
+_barrier = None  # in each process_rate process: all start encoding together
+
+
+def _set_barrier(barrier) -> None:
+    global _barrier
+    _barrier = barrier
+
+
+def _timed_encode(tokenizer, texts: list[str]) -> tuple[int, float]:
+    encode = functools.partial(
+        tokenizer.encoding.encode_to_numpy, allowed_special=set(), disallowed_special=()
+    )
+    encode("")  # the encoding loads before the clock starts
+    _barrier.wait()
+    start = time.perf_counter()
+    tokens = sum(len(encode(t)) + 2 for t in texts)  # + the bos and eos the store adds
+    return tokens, time.perf_counter() - start
+
+
+def process_rate(tokenizer, texts: list[str], workers: int) -> float:
+    """tokens/s of tiktoken alone in `workers` processes at once, each encoding its share of
+    the texts to arrays as a worker does (started, then released together): what the machine
+    gives that many tokenizing processes, the limit for as many workers."""
+    spawn = multiprocessing.get_context("spawn")
+    barrier = spawn.Barrier(workers)
+    with ProcessPoolExecutor(workers, spawn, _set_barrier, (barrier,)) as pool:
+        shares = [pool.submit(_timed_encode, tokenizer, texts[i::workers]) for i in range(workers)]
+        done = [f.result() for f in shares]
+    return sum(n for n, _ in done) / max(s for _, s in done)
 
 
 def build_rate(source, tokenizer, folder: Path, workers: int) -> float:
@@ -90,20 +127,25 @@ def main(argv: list[str] | None = None) -> int:
     chars = sum(map(len, texts))
     print(f"corpus: {len(texts):,} documents, {chars / 1e6:.1f} M characters, "
           f"tokenizer {tokenizer.identity}, {os.cpu_count()} CPUs", flush=True)  # fmt: skip
-    rates: dict[str, list[float]] = {"tiktoken": [], **{f"build {w}": [] for w in workers}}
+    rates: dict[str, list[float]] = {"batch": []}
+    for w in workers:
+        rates |= {f"tiktoken {w}": [], f"build {w}": []}
     for r in range(args.repeats):
-        rates["tiktoken"].append(tiktoken_rate(tokenizer, texts))
+        rates["batch"].append(batch_rate(tokenizer, texts))
         for w in workers:
+            rates[f"tiktoken {w}"].append(process_rate(tokenizer, texts, w))
             rates[f"build {w}"].append(build_rate(source, tokenizer, folder, w))
         print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1] / 1e6:.3f}" for k, v in rates.items())
               + " M tokens/s", flush=True)  # fmt: skip
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"tiktoken alone (1 thread): {med['tiktoken'] / 1e6:.3f} M tokens/s")
+    print(f"tiktoken's encode_ordinary_batch, 1 thread: {med['batch'] / 1e6:.3f} M tokens/s")
     for w in workers:
-        rate, first = med[f"build {w}"], med[f"build {workers[0]}"]
+        rate, limit = med[f"build {w}"], med[f"tiktoken {w}"]
+        first, first_limit = med[f"build {workers[0]}"], med[f"tiktoken {workers[0]}"]
         print(f"prepare_data, {w} workers: {rate / 1e6:.3f} M tokens/s; per worker "
-              f"{rate / w / med['tiktoken']:.2f} x tiktoken; {rate / first:.2f} x {workers[0]} "
-              f"worker(s)")  # fmt: skip
+              f"{rate / w / med['batch']:.2f} x tiktoken's batch; {rate / limit:.2f} x tiktoken "
+              f"alone in {w} processes ({limit / 1e6:.3f}); {rate / first:.2f} x {workers[0]} "
+              f"worker(s), where tiktoken alone scales {limit / first_limit:.2f} x")  # fmt: skip
     if not args.folder:
         shutil.rmtree(folder)
     return 0

@@ -2,6 +2,7 @@ import base64
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from titanlite.config import ConfigError
@@ -47,8 +48,13 @@ def test_special_token_text_is_plain_text(cl100k):
 
 
 def test_encode_batch_matches_encode(cl100k):
-    texts = [TEXT, "", "hello world"]
-    assert cl100k.encode_batch(texts, True, True) == [cl100k.encode(t, True, True) for t in texts]
+    """encode_batch and encode_array give encode's ids as uint32 arrays, special-token text
+    included as plain text, with and without bos and eos."""
+    texts = [TEXT, "", "hello world", "a <|endoftext|> b <|fim_prefix|>"]
+    for bos, eos in ((True, True), (False, True), (True, False), (False, False)):
+        batch = cl100k.encode_batch(texts, bos, eos)
+        assert all(a.dtype == np.uint32 for a in batch)
+        assert [a.tolist() for a in batch] == [cl100k.encode(t, bos, eos) for t in texts]
 
 
 def test_encode_batch_reuses_one_pool_sized_to_this_rank(cl100k):

@@ -55,7 +55,7 @@ class Packer:
         """The tokens no sample has taken yet (a copy)."""
         return self._buf[self._off :].copy()
 
-    def samples(self, ids: list[int]) -> Iterator[np.ndarray]:
+    def samples(self, ids) -> Iterator[np.ndarray]:
         """The samples document `ids` completes; with packing, what is left stays in the buffer
         (a new array, so samples already handed out, views of the old one, stay valid)."""
         w = self.window

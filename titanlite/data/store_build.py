@@ -58,8 +58,8 @@ def _exit_with_parent(sentinel) -> None:
 
 
 def _worker_shard(folder: Path, k: int, texts: list[str], dtype) -> tuple[int, ...]:
-    # One thread per worker (encode, not encode_batch): the pool is the parallelism.
-    docs = [_worker_tokenizer.encode(t, bos=True, eos=True) for t in texts]
+    # One thread per worker (not encode_batch): the pool is the parallelism.
+    docs = [_worker_tokenizer.encode_array(t, bos=True, eos=True) for t in texts]
     return k, len(texts), write_shard(folder, k, docs, dtype)
 
 

@@ -11,6 +11,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
@@ -77,11 +78,25 @@ class Tokenizer:
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         return self._wrap(self.encoding.encode_ordinary(text), bos, eos)
 
-    def encode_batch(self, texts: list[str], bos: bool, eos: bool) -> list[list[int]]:
-        """Like `encode` on each text, on this rank's share of the CPUs (tiktoken releases the
+    def encode_array(self, text: str, bos: bool, eos: bool) -> np.ndarray:
+        """`encode` as a uint32 array, made from tiktoken's own buffer: no Python int per token,
+        which made the list ~15% slower to produce where the ids end up in an array anyway.
+        With no special token allowed, tiktoken encodes as encode_ordinary does."""
+        ids = self.encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        out = np.empty(bos + len(ids) + eos, dtype=np.uint32)
+        out[bos : bos + len(ids)] = ids
+        if bos:
+            out[0] = self.bos_id
+        if eos:
+            out[-1] = self.eos_id
+        return out
+
+    def encode_batch(self, texts: list[str], bos: bool, eos: bool) -> list[np.ndarray]:
+        """`encode_array` of each text, on this rank's share of the CPUs (tiktoken releases the
         GIL while encoding)."""
-        batch = _encode_pool().map(self.encoding.encode_ordinary, texts)
-        return [self._wrap(ids, bos, eos) for ids in batch]
+        return list(
+            _encode_pool().map(functools.partial(self.encode_array, bos=bos, eos=eos), texts)
+        )
 
     def decode(self, ids) -> str:
         return self.encoding.decode([int(i) for i in ids])
