@@ -31,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from titanlite.config import ConfigError  # noqa: E402
 from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.data.sources import local_source, stdlib_files  # noqa: E402
 from titanlite.data.store_build import build_store  # noqa: E402
@@ -113,8 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--folder", default="", help="where the corpus and stores go (default: tmp)")
     args, rest = ap.parse_known_args(argv)
-    workers = [int(w) for w in args.workers.split(",")]
-    tokenizer = build_tokenizer(parse_args(rest).model)
+    try:
+        workers = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        ap.error(f"--workers takes comma-separated counts such as 1,2; got {args.workers!r}")
+    if min(workers) < 1 or args.docs < 1 or args.repeats < 1:
+        ap.error("--workers counts, --docs and --repeats must be at least 1")
+    try:  # the rest are train.py's options: the tokenizer's
+        tokenizer = build_tokenizer(parse_args(rest).model)
+    except ConfigError as e:
+        ap.error(str(e))
     folder = Path(args.folder or tempfile.mkdtemp(prefix="bench_data_"))
     folder.mkdir(parents=True, exist_ok=True)
     # datasets' Arrow copy of the corpus goes with it, not into the user's cache (read at the
