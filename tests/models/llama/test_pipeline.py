@@ -159,10 +159,9 @@ def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule, csv, 
     assert set(chunks) == {5}  # every last-stage forward used the chunked loss
 
 
-def test_a_run_without_pipeline_parallelism_does_not_import_the_pipeline_runtime():
-    """torch.distributed.pipelining imports torch._dynamo, about half a second of every
-    process's start-up here: train.py (with the registered families) and the planning code must
-    not load it."""
+def test_importing_the_trainer_and_planners_does_not_import_the_pipeline_runtime():
+    """torch.distributed.pipelining's import loads torch._dynamo (~0.5 s here): train.py's
+    import (with the registered families) and the planning code must not load it."""
     code = (
         "import sys, train, titanlite.plan.perf, titanlite.memory_estimate; "
         "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.pipelining', "
