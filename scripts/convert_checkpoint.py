@@ -32,6 +32,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite import precision
+from titanlite.checkpoint.reader import DirectReader
 from titanlite.checkpoint.stream import (
     LazyTensor,
     save_lazily,
@@ -62,7 +63,7 @@ except ModuleNotFoundError:  # Python 3.10
 DTYPES = {**precision.DTYPES, "float16": torch.float16}
 
 
-class _MetadataOnceReader(dcp.FileSystemReader):
+class _MetadataOnceReader(DirectReader):
     """Reads `.metadata` once: each partial `dcp.load` below would otherwise parse it again, and
     a sharded training checkpoint's metadata lists every chunk of every tensor."""
 

@@ -1,5 +1,6 @@
 """Checkpoints: layout.py (step folders, markers, publish, prune), plan.py (what a run loads),
-manager.py (CheckpointManager: save, async save, load), integrity.py (the files' checksums,
+manager.py (CheckpointManager: save, async save, load), reader.py (reading
+tensors straight into the model's and optimizer's memory), integrity.py (the files' checksums,
 recorded at save and verified before a load), hf.py (Hugging Face folders in and out of a
 sharded model), stream.py (writing one tensor at a time)."""
 

@@ -41,6 +41,7 @@ from titanlite.checkpoint.plan import (
     read_hf_metadata,
     read_metadata,
 )
+from titanlite.checkpoint.reader import DirectReader
 from titanlite.checkpoint.space import needed_bytes, save_failed, warn_if_short
 from titanlite.checkpoint.staging import ReusingStager
 from titanlite.checkpoint.stream import single_process_quietly
@@ -365,7 +366,7 @@ class CheckpointManager:
     def _read(path: Path, state: dict) -> dict:
         try:
             with single_process_quietly():
-                dcp.load(state, checkpoint_id=str(path))
+                dcp.load(state, storage_reader=DirectReader(str(path)))
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"failed to load checkpoint {path}: {_dcp_reason(e)}") from e
         return state
