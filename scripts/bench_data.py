@@ -38,10 +38,12 @@ from titanlite.data.store_build import build_store  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 
 
-def write_corpus(path: Path, docs: int, doc_chars: int) -> None:
+def write_corpus(path: Path, docs: int, doc_chars: int, c4_fields: bool = False) -> None:
     """`docs` JSONL rows of ~doc_chars characters, cut at line ends from the stdlib's sources
-    (cycled when the corpus asks for more text than the stdlib holds)."""
-    _, files = stdlib_files()
+    (cycled when the corpus asks for more text than the stdlib holds). `c4_fields`: each row
+    also carries C4's "timestamp" and "url" (the file and offset it was cut from), the schema
+    torchtitan's c4 loaders read (scripts/bench_torchtitan.py)."""
+    root, files = stdlib_files()
     written = 0
     with open(path, "w") as out:
         while written < docs:
@@ -50,7 +52,11 @@ def write_corpus(path: Path, docs: int, doc_chars: int) -> None:
                 while start < len(text) and written < docs:
                     end = text.find("\n", start + doc_chars)
                     end = len(text) if end < 0 else end + 1
-                    out.write(json.dumps({"text": text[start:end]}) + "\n")
+                    row = {"text": text[start:end]}
+                    if c4_fields:
+                        url = f"stdlib://{f.relative_to(root).as_posix()}#{start}"
+                        row |= {"timestamp": "2019-04-25T12:00:00Z", "url": url}
+                    out.write(json.dumps(row) + "\n")
                     start, written = end, written + 1
                 if written >= docs:
                     return
