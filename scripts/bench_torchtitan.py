@@ -9,10 +9,13 @@ The model is Llama 3's debug shape (dim 256, 6 layers, 16 heads, SwiGLU 768, voc
 activation checkpointing, and torchtitan's debug recipe in both: AdamW lr 8e-4, betas (0.9,
 0.95), eps 1e-8, weight decay 0.1, clip 1.0, 2 linear warm-up steps then linear decay to 0 over
 the last 80% of steps, seed 42, unshuffled data, document-causal attention (titanlite's
-`model.document_masking`), scaled RoPE theta 500000, fp32 gradient reduction. Configs:
+`model.document_masking`; torchtitan also restarts RoPE positions at each document, titanlite
+does not: no cost either way), scaled RoPE theta 500000, fp32 gradient reduction. Each keeps
+its own kernels' choices (torchtitan: fused AdamW, chunked loss; titanlite: foreach AdamW,
+the loss unchunked at this size). Configs:
 
-    dp1_fp32, dp1_bf16      one process, 2 threads (on one rank torchtitan still wraps the model
-                            in FSDP to apply its precision policy; titanlite does the same)
+    dp1_fp32, dp1_bf16      one process, 2 threads (on one rank torchtitan always wraps the model
+                            in a 1-rank FSDP for its precision policy; titanlite does for bf16)
     fsdp2_fp32, fsdp2_bf16  FSDP over 2 processes, 1 thread each
     bf16 = mixed precision: titanlite's --training.mixed_precision_param bfloat16, torchtitan's
     --training.mixed-precision-param bfloat16 (bf16 compute, fp32 parameters and reductions).
