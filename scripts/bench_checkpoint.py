@@ -17,7 +17,7 @@ The disk's own bandwidth is measured the same way in the same folder: a file of 
 written in 64 MiB blocks and fsynced (as DCP fsyncs each file), then read back. Load is a full
 resume (`CheckpointManager.load`) of the last synchronous save. Reads, ours and the baseline's
 alike, come from the page cache when the state fits in memory: they compare, but are not the
-disk's.
+disk's. `--cold` empties the page cache before each read (Linux, as root), so both read the disk.
 """
 
 import argparse
@@ -78,7 +78,13 @@ def state_gib(model, opt) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
 
-def disk_bandwidth(folder: Path, nbytes: int) -> tuple[float, float]:
+def drop_page_cache() -> None:
+    """Write back and forget cached file pages, so the next read comes from the disk."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def disk_bandwidth(folder: Path, nbytes: int, cold: bool) -> tuple[float, float]:
     """(write, read) bytes/s of one file of `nbytes` in 64 MiB blocks, fsynced after writing."""
     block = os.urandom(64 * 2**20)
     path = folder / "bandwidth.bin"
@@ -89,16 +95,19 @@ def disk_bandwidth(folder: Path, nbytes: int) -> tuple[float, float]:
         f.flush()
         os.fsync(f.fileno())
     write = nbytes / (time.perf_counter() - t0)
+    if cold:
+        drop_page_cache()
+    buffer = bytearray(len(block))  # reused: the read's own cost, not fresh memory's
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
-        while f.read(len(block)):
+        while f.readinto(buffer):
             pass
     read = nbytes / (time.perf_counter() - t0)
     path.unlink()
     return write, read
 
 
-def bench(model, opt, sched, mode: str, saves: int, folder: Path) -> dict[str, float]:
+def bench(model, opt, sched, mode: str, saves: int, folder: Path, cold: bool) -> dict[str, float]:
     cfg = replace(Checkpoint(), enable=True, interval=1, keep_latest_k=1, async_mode=mode)
     mgr = CheckpointManager(cfg, folder, model, opt, sched, _State(), _State())
     blocked, written = [], []
@@ -108,6 +117,8 @@ def bench(model, opt, sched, mode: str, saves: int, folder: Path) -> dict[str, f
         blocked.append(time.perf_counter() - t0)
         mgr.wait()  # a training loop would run steps here; waited for to time the whole write
         written.append(time.perf_counter() - t0)
+    if cold:
+        drop_page_cache()
     t0 = time.perf_counter()
     mgr.load(LoadPlan(folder / cfg.folder / f"step-{saves}", weights_only=False))
     loaded = time.perf_counter() - t0
@@ -127,18 +138,22 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary size of every model")
     p.add_argument("--saves", type=int, default=5, help="saves per mode (>= 2: first + later)")
     p.add_argument("--folder", default="", help="where to write ('' = a temporary folder)")
+    p.add_argument("--cold", action="store_true", help="read from the disk, not the page cache")
     a = p.parse_args(argv)
     if a.saves < 2:
         p.error("--saves must be at least 2: the first save and the later ones are reported apart")
+    if a.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        p.error("--cold empties the page cache through /proc/sys/vm/drop_caches: Linux, as root")
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for spec in a.models.split(","):
         model, opt, sched = build(spec, a.vocab)
         size = state_gib(model, opt)
         with tempfile.TemporaryDirectory(dir=a.folder or None) as tmp:
-            disk = disk_bandwidth(Path(tmp), int(size * 2**30))
+            disk = disk_bandwidth(Path(tmp), int(size * 2**30), a.cold)
             res = {
-                m: bench(model, opt, sched, m, a.saves, Path(tmp)) for m in ("disabled", "async")
+                m: bench(model, opt, sched, m, a.saves, Path(tmp), a.cold)
+                for m in ("disabled", "async")
             }
         params = sum(p.numel() for p in model.parameters()) / 1e6
         rows.append((spec, params, size, disk, res))
@@ -153,7 +168,9 @@ def main(argv=None) -> None:
         print(f"| {spec} | {params:.1f} | {size:.2f} | {sync['first']:.3f} / {sync['later']:.3f} "
               f"| {asy['first']:.3f} / {asy['later']:.3f} | {asy['written']:.3f} "
               f"| {asy['later'] / sync['later']:.2f} |")  # fmt: skip
-    print("\nGB/s (1e9 bytes); disk = the folder's own fsynced write / read of the same size\n")
+    reads = "the disk (page cache emptied first)" if a.cold else "the page cache where it fits"
+    print(f"\nGB/s (1e9 bytes); disk = the folder's own fsynced write / read of the same size; "
+          f"reads from {reads}\n")  # fmt: skip
     print("| model | disk write | sync save | save / disk | disk read | load | load / disk "
           "| async blocked / async written |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
