@@ -302,7 +302,8 @@ def git_commit(path: Path) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, checked: a bad one exits with one line and code 2."""
     ap = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
     ap.add_argument("--torchtitan", required=True, help="a torchtitan checkout (see the setup)")
     ap.add_argument("--torchtitan-python", required=True,
@@ -317,39 +318,88 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=2000, help="documents of a written corpus")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds before a run is killed")
     args = ap.parse_args(argv)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if unknown := [c for c in configs if c not in CONFIGS]:
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if unknown := [c for c in args.configs if c not in CONFIGS]:
         ap.error(f"unknown config(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
-    if not configs:
+    if not args.configs:
         ap.error("--configs names no config")
     if args.repeats < 1 or args.docs < 1 or args.timeout <= 0:
         ap.error("--repeats, --docs and --timeout must be positive")
     if args.steps < WARMUP_STEPS + 2:
         ap.error(f"--steps must be at least {WARMUP_STEPS + 2}: steps 1-{WARMUP_STEPS} are "
                  f"warm-up, the rate needs two steps after them")  # fmt: skip
-    checkout = Path(args.torchtitan).expanduser().resolve()
-    if not checkout.is_dir():
+    args.checkout = Path(args.torchtitan).expanduser().resolve()
+    if not args.checkout.is_dir():
         ap.error(f"--torchtitan {args.torchtitan!r} is not a folder")
-    if not (checkout / "torchtitan" / "train.py").is_file():
+    if not (args.checkout / "torchtitan" / "train.py").is_file():
         ap.error(f"--torchtitan {args.torchtitan!r} is not a torchtitan checkout "
                  "(no torchtitan/train.py in it)")  # fmt: skip
     tt_python = Path(args.torchtitan_python).expanduser()
     if not (tt_python.is_file() and os.access(tt_python, os.X_OK)):
         ap.error(f"--torchtitan-python {args.torchtitan_python!r} is not an executable file")
+    args.torchtitan_python = str(tt_python)
     if args.data and not Path(args.data).is_file():
         ap.error(f"--data {args.data!r} is not a file")
+    return args
 
+
+def run_one(args, config: str, fw: str, rep: int, corpus: Path, out: Path, envs: dict) -> dict:
+    """One run of `fw` on `config`: its figures (measure()) or an error, with its exit code."""
+    procs, threads, _ = CONFIGS[config]
+    tag = f"{config}_{fw}_r{rep}"
+    dump = out / "runs" / tag
+    if fw == "titanlite":
+        cmd, cwd = titanlite_cmd(config, args.steps, corpus, dump, out / "cache"), REPO
+    else:
+        cmd = torchtitan_cmd(args.torchtitan_python, config, args.steps, corpus, dump)
+        cwd = args.checkout  # its config names ./tests/assets/tokenizer
+    env = dict(envs[fw], OMP_NUM_THREADS=str(threads))
+    t0 = time.perf_counter()
+    rc, stamped = run_stamped(cmd, cwd, env, out / "logs" / f"{tag}.log", args.timeout)
+    record = {"config": config, "framework": fw, "repeat": rep, "returncode": rc,
+              "wall_s": time.perf_counter() - t0, "log": f"logs/{tag}.log"}  # fmt: skip
+    record |= measure(fw, stamped, args.steps, LOCAL_BATCH * SEQ_LEN * procs)
+    record.pop("steps", None)
+    if rc != 0 and "error" not in record:
+        record["error"] = f"exit code {rc}"
+    if "error" in record:
+        tail = stamped[-1][1] if stamped else "no output"
+        record["error"] += f"; exit code {rc}; last line: {tail}"
+    return record
+
+
+def write_results(out: Path, meta: dict, runs: list[dict], configs: list[str], steps: int) -> str:
+    """results.md, .json and .csv in `out`; returns the markdown table."""
+    summary = summarize(runs, configs)
+    table = markdown_table(summary, steps)
+    (out / "results.md").write_text(table + "\n")
+    (out / "results.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1) + "\n"
+    )
+    with open(out / "results.csv", "w", newline="") as f:
+        fields = ["config", "framework", "repeat", "tokens_per_s", "own_tps_median", "params",
+                  *(f"loss_{s}" for s in loss_steps(steps)), "returncode", "wall_s",
+                  "error", "log"]  # fmt: skip
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in runs:
+            w.writerow(r | {f"loss_{s}": v for s, v in (r.get("losses") or {}).items()})
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_CACHE=str(out / "hf_datasets"),
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")  # fmt: skip
-    tt_env = dict(env, PYTHONPATH=str(checkout))
-    check = subprocess.run([str(tt_python), str(SHIM), "--check"], cwd=checkout, env=tt_env,
-                           capture_output=True, text=True)  # fmt: skip
+    envs = {"titanlite": env, "torchtitan": dict(env, PYTHONPATH=str(args.checkout))}
+    check = subprocess.run([args.torchtitan_python, str(SHIM), "--check"], cwd=args.checkout,
+                           env=envs["torchtitan"], capture_output=True, text=True)  # fmt: skip
     if check.returncode != 0:
         last = (check.stderr.strip() or check.stdout.strip() or "no output").splitlines()[-1]
-        print(f"bench_torchtitan: torchtitan does not start with {tt_python}: {last}",
-              file=sys.stderr)  # fmt: skip
+        print(f"bench_torchtitan: torchtitan does not start with {args.torchtitan_python}: "
+              f"{last}", file=sys.stderr)  # fmt: skip
         return 2
     corpus = Path(args.data).resolve() if args.data else out / "corpus.jsonl"
     if not corpus.is_file():
@@ -357,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
 
         write_corpus(corpus, args.docs, 2000, c4_fields=True)
     meta = {
-        "torchtitan_commit": git_commit(checkout),
+        "torchtitan_commit": git_commit(args.checkout),
         "shim_written_against": PINNED_COMMIT,
         "titanlite_commit": git_commit(REPO),
         "corpus": str(corpus),
@@ -368,62 +418,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"titanlite {meta['titanlite_commit'][:12]} vs torchtitan "
           f"{meta['torchtitan_commit'][:12]}; corpus {corpus}; {args.repeats} repeat(s) of "
-          f"{', '.join(configs)}; {args.steps} steps, tokens/s over steps "
+          f"{', '.join(args.configs)}; {args.steps} steps, tokens/s over steps "
           f"{WARMUP_STEPS + 1}-{args.steps}", flush=True)  # fmt: skip
-
-    runs, total, n = [], args.repeats * len(configs) * len(FRAMEWORKS), 0
-    for rep in range(1, args.repeats + 1):
-        for config in configs:
-            procs, threads, _ = CONFIGS[config]
-            for fw in FRAMEWORKS:
-                n += 1
-                tag = f"{config}_{fw}_r{rep}"
-                dump = out / "runs" / tag
-                run_env = dict(tt_env if fw == "torchtitan" else env, OMP_NUM_THREADS=str(threads))
-                if fw == "titanlite":
-                    cmd, cwd = titanlite_cmd(config, args.steps, corpus, dump, out / "cache"), REPO
-                else:
-                    cmd = torchtitan_cmd(str(tt_python), config, args.steps, corpus, dump)
-                    cwd = checkout  # its config names ./tests/assets/tokenizer
-                t0 = time.perf_counter()
-                rc, stamped = run_stamped(
-                    cmd, cwd, run_env, out / "logs" / f"{tag}.log", args.timeout
-                )
-                tokens_per_step = LOCAL_BATCH * SEQ_LEN * procs
-                record = {"config": config, "framework": fw, "repeat": rep, "returncode": rc,
-                          "wall_s": time.perf_counter() - t0, "log": f"logs/{tag}.log"}  # fmt: skip
-                record |= measure(fw, stamped, args.steps, tokens_per_step)
-                if rc != 0 and "error" not in record:
-                    record["error"] = f"exit code {rc}"
-                record.pop("steps", None)
-                if "error" in record:
-                    tail = stamped[-1][1] if stamped else "no output"
-                    record["error"] += f"; exit code {rc}; last line: {tail}"
-                    line = f"FAILED: {record['error']}"
-                else:
-                    losses = " / ".join(f"{v:.4f}" for v in record["losses"].values())
-                    line = f"{record['tokens_per_s']:,.0f} tokens/s, losses {losses}"
-                print(f"[{n}/{total}] {tag}: {line} ({record['wall_s']:.0f} s)", flush=True)
-                runs.append(record)
-
-    summary = summarize(runs, configs)
-    table = markdown_table(summary, args.steps)
-    (out / "results.md").write_text(table + "\n")
-    (out / "results.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1) + "\n"
-    )
-    with open(out / "results.csv", "w", newline="") as f:
-        fields = ["config", "framework", "repeat", "tokens_per_s", "own_tps_median", "params",
-                  *(f"loss_{s}" for s in loss_steps(args.steps)), "returncode", "wall_s",
-                  "error", "log"]  # fmt: skip
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in runs:
-            w.writerow(r | {f"loss_{s}": v for s, v in (r.get("losses") or {}).items()})
-    print()
-    print(table)
-    print(f"\nWritten: {out}/results.md, results.csv, results.json, logs/")
-    print(result_line(summary))
+    plan = [(rep, c, fw) for rep in range(1, args.repeats + 1) for c in args.configs
+            for fw in FRAMEWORKS]  # fmt: skip
+    runs = []
+    for n, (rep, config, fw) in enumerate(plan, 1):
+        r = run_one(args, config, fw, rep, corpus, out, envs)
+        if "error" in r:
+            line = f"FAILED: {r['error']}"
+        else:
+            losses = " / ".join(f"{v:.4f}" for v in r["losses"].values())
+            line = f"{r['tokens_per_s']:,.0f} tokens/s, losses {losses}"
+        print(f"[{n}/{len(plan)}] {config}_{fw}_r{rep}: {line} ({r['wall_s']:.0f} s)", flush=True)
+        runs.append(r)
+    table = write_results(out, meta, runs, args.configs, args.steps)
+    print(f"\n{table}\n\nWritten: {out}/results.md, results.csv, results.json, logs/")
+    print(result_line(summarize(runs, args.configs)))
     return 1 if any("error" in r for r in runs) else 0
 
 
