@@ -70,6 +70,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self):
         super().__init__()
         self.written: dict[str, dict] = {}
+        self.failures: list[str] = []
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -78,7 +79,11 @@ class _HashingFileSystem(FileSystem):
                 yield raw
                 return
             stream = _HashingStream(raw)
-            yield stream
+            try:
+                yield stream
+            except Exception as e:  # kept for _CheckedWriter: DCP's extra threads drop it
+                self.failures.append(f"{Path(path).name}: {type(e).__name__}: {e}")
+                raise
         self.written[Path(path).name] = {"size": stream.size, "digest": stream.digest.hexdigest()}
 
     def rename(self, path, new_path) -> None:
@@ -87,9 +92,33 @@ class _HashingFileSystem(FileSystem):
             self.written[Path(new_path).name] = self.written.pop(Path(path).name)
 
 
+class _CheckedWriter(dcp.FileSystemWriter):
+    """DCP's writer, whose save fails when any of this rank's items went unwritten. torch's
+    writer collects no error from its threads but the first: a thread that fails (a full disk)
+    just leaves its items out of the results, and DCP would write the .metadata and report the
+    save done (checked on torch 2.13: 8 tensors saved, 2 in the metadata, the load a KeyError)."""
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)  # done: the threads were joined
+        if len(written.value()) != len(plan.items):
+            unwritten = len(plan.items) - len(written.value())
+            raise OSError(
+                f"{unwritten} of this rank's {len(plan.items)} checkpoint items were not written: "
+                f"{'; '.join(self.fs.failures) or 'a writer thread failed'}"
+            )
+        return written
+
+
+# Files each rank writes at once. One writer thread (DCP's default) pickles, hashes and writes
+# every tensor in turn and leaves the disk idle meanwhile: a 1B-flavor state (5.5 GiB, one
+# process, a 2-core VM) saved at 0.40-0.47 GB/s with 1, 0.71-0.81 with 4 (__RANK_0..3.distcp).
+WRITE_THREADS = 4
+
+
 def checksummed_writer(folder: Path) -> dcp.FileSystemWriter:
-    """DCP's writer for a save into `folder` that also hashes every file this rank writes."""
-    writer = dcp.FileSystemWriter(str(folder))
+    """DCP's writer for a save into `folder` that also hashes every file this rank writes, in
+    WRITE_THREADS files at once."""
+    writer = _CheckedWriter(str(folder), thread_count=WRITE_THREADS)
     writer.fs = _HashingFileSystem()
     return writer
 
