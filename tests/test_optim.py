@@ -37,13 +37,14 @@ def lrs(sched_kw, total):
     return out
 
 
-def test_auto_implementation_is_fused_only_where_every_parameter_is_on_cuda():
+def test_auto_implementation_is_fused_where_every_parameter_is_on_one_device():
     cuda, cpu = (SimpleNamespace(device=torch.device(d)) for d in ("cuda", "cpu"))
     assert resolve_implementation("auto", [cuda, cuda]) == "fused"
-    assert resolve_implementation("auto", [cuda, cpu]) == "foreach"  # CPU offload keeps some
+    assert resolve_implementation("auto", [cpu, cpu]) == "fused"
+    assert resolve_implementation("auto", [cuda, cpu]) == "foreach"  # CPU offload of some
     assert resolve_implementation("for-loop", [cuda]) == "for-loop"
-    opt = build_optimizer(torch.nn.Linear(2, 2), opt_cfg())  # on CPU: foreach, as before
-    assert opt.defaults["foreach"] and not opt.defaults["fused"]
+    opt = build_optimizer(torch.nn.Linear(2, 2), opt_cfg())
+    assert opt.defaults["fused"] and not opt.defaults["foreach"]
 
 
 def test_warmup_then_linear_decay_to_zero():
@@ -115,8 +116,8 @@ def _tiny_run(steps, early, resume=None):
 
 
 def test_step_in_backward_equals_the_step_after_backward():
-    """The same AdamW update, bitwise (each parameter's foreach kernel computes each element as
-    the kernel over its whole group does), and the same gradient norm."""
+    """The same AdamW update, bitwise (the fused kernel updates each parameter alone, whether
+    shown one or its whole group), and the same gradient norm."""
     model, _, _, norms = _tiny_run(3, early=False)
     early_model, _, _, early_norms = _tiny_run(3, early=True)
     for a, b in zip(model.parameters(), early_model.parameters(), strict=True):

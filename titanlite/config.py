@@ -74,7 +74,7 @@ class Optimizer:
     weight_decay: float = opt(0.1, "Decoupled weight decay")
     implementation: str = opt(
         "auto",
-        "How the update runs over the parameters (auto: fused if all are on CUDA, else foreach)",
+        "How the update runs over the parameters (auto: fused if all on one device, else foreach)",
         choices=("auto", "foreach", "fused", "for-loop"),
     )
     early_step_in_backward: bool = opt(
