@@ -72,7 +72,7 @@ def build_trainer(opts):
 
 
 def build_bare(trainer, opts):
-    """Same shape, same init scheme, same AdamW hyperparameters (foreach, two groups)."""
+    """Same shape, same init scheme, same AdamW (build_optimizer: implementation, two groups)."""
     from titanlite.optim import build_optimizer
 
     torch.manual_seed(0)
