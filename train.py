@@ -305,6 +305,8 @@ class Trainer:
             microbatches, counts, self.preemption.requested, device
         )
         microbatches = [(to_device(x, device), to_device(y, device)) for x, y in microbatches]
+        if self.step_in_backward is not None:  # backward steps the weights a save may be copying
+            self.checkpointer.wait_for_staging()
         loss_sum = self.forward_backward(
             self.model, microbatches, 1.0 / tokens, chunk_tokens=self.cfg.loss.chunk_tokens,
             sync_only_last=self.sync_only_last, context=self.model_context,
@@ -328,6 +330,7 @@ class Trainer:
             loss = dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens
             flags = [f.to(loss.dtype) for f in flags] + [loss]
         finite, stop, *loss = torch.stack(flags).tolist()
+        self.checkpointer.wait_for_staging()  # an async save's copy, overlapping fwd/bwd, is done
         spike = finite and loss and skips_loss_spike(loss[0], self.state, self.cfg, self.loader)
         t_optimizer, optimizer_seconds = time.perf_counter(), None
         if finite and not spike:

@@ -5,13 +5,18 @@ and read bandwidth, and how long a save blocks the training loop, sync vs async 
     python scripts/bench_checkpoint.py --models 1B:16 --saves 5 --folder /fast/disk/tmp
 
 For each model: fp32 weights plus AdamW state (after one real step, so the moments exist), saved
-through CheckpointManager `--saves` times per mode. "blocked" is how long `save()` holds the caller:
-for sync the whole write (publishing and pruning run in a background thread); for async only the
-staging copy into host memory (the write continues in a background thread). The first async save
-allocates the staging buffers, later ones copy into the same buffers, so first and later saves are
-reported apart (later: median). "written" is until the checkpoint is complete on disk, published
-and the older ones pruned (`wait()` returned). Async mode holds a second copy of the state in
-memory for as long as the manager lives (the staging buffers).
+through CheckpointManager `--saves` times per mode. An async save is followed by what a training
+loop does next: the next step's forward and backward (`--step_tokens` tokens), then the wait a
+trainer makes before its optimizer step (`wait_for_staging`). "blocked" is how long the caller is
+held: for sync `save()`, the whole write (publishing and pruning run in a background thread); for
+async `save()` plus that wait, the part of the staging copy into host memory that the forward and
+backward did not hide (the copy runs in a thread beside them, the write in another). "step" is
+that forward and backward's time, beside its time with no save in flight: on a CPU the copy takes
+memory bandwidth and a core from it. The first async save allocates the staging buffers, later
+ones copy into the same buffers, so first and later saves are reported apart (later: median).
+"written" is until the checkpoint is complete on disk, published and the older ones pruned
+(`wait()` returned). Async mode holds a second copy of the state in memory for as long as the
+manager lives (the staging buffers).
 
 The disk's own bandwidth is measured the same way in the same folder: a file of the state's size
 written in 64 MiB blocks and fsynced (as DCP fsyncs each file), then read back. Load is a full
@@ -107,15 +112,29 @@ def disk_bandwidth(folder: Path, nbytes: int, cold: bool) -> tuple[float, float]
     return write, read
 
 
-def bench(model, opt, sched, mode: str, saves: int, folder: Path, cold: bool) -> dict[str, float]:
+def forward_backward(model, tokens) -> float:
+    """The next training step's forward and backward (what an async save's copy overlaps);
+    returns its seconds."""
+    t0 = time.perf_counter()
+    model(tokens, tokens).backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def bench(model, opt, sched, mode: str, saves: int, folder: Path, cold: bool, tokens) -> dict:
     cfg = replace(Checkpoint(), enable=True, interval=1, keep_latest_k=1, async_mode=mode)
     mgr = CheckpointManager(cfg, folder, model, opt, sched, _State(), _State())
-    blocked, written = [], []
+    blocked, written, steps = [], [], [0.0]
     for step in range(1, saves + 1):
         t0 = time.perf_counter()
         mgr.save(step)
         blocked.append(time.perf_counter() - t0)
-        mgr.wait()  # a training loop would run steps here; waited for to time the whole write
+        if mode == "async":  # a sync save has written everything before the step starts
+            steps.append(forward_backward(model, tokens))
+            t1 = time.perf_counter()
+            mgr.wait_for_staging()  # a trainer's wait before its optimizer step
+            blocked[-1] += time.perf_counter() - t1
+        mgr.wait()  # a training loop would run more steps here; waited for to time the write
         written.append(time.perf_counter() - t0)
     if cold:
         drop_page_cache()
@@ -128,6 +147,7 @@ def bench(model, opt, sched, mode: str, saves: int, folder: Path, cold: bool) ->
         "first": blocked[0],
         "later": statistics.median(blocked[1:]),
         "written": statistics.median(written[1:]),
+        "step": statistics.median(steps[1:]),  # 0 for sync
         "loaded": loaded,
     }
 
@@ -139,6 +159,7 @@ def main(argv=None) -> None:
     p.add_argument("--saves", type=int, default=5, help="saves per mode (>= 2: first + later)")
     p.add_argument("--folder", default="", help="where to write ('' = a temporary folder)")
     p.add_argument("--cold", action="store_true", help="read from the disk, not the page cache")
+    p.add_argument("--step_tokens", type=int, default=64, help="tokens of the step after a save")
     a = p.parse_args(argv)
     if a.saves < 2:
         p.error("--saves must be at least 2: the first save and the later ones are reported apart")
@@ -149,25 +170,32 @@ def main(argv=None) -> None:
     for spec in a.models.split(","):
         model, opt, sched = build(spec, a.vocab)
         size = state_gib(model, opt)
+        tokens = torch.randint(0, a.vocab, (1, a.step_tokens))
+        alone = statistics.median(forward_backward(model, tokens) for _ in range(3))
         with tempfile.TemporaryDirectory(dir=a.folder or None) as tmp:
             disk = disk_bandwidth(Path(tmp), int(size * 2**30), a.cold)
             res = {
-                m: bench(model, opt, sched, m, a.saves, Path(tmp), a.cold)
+                m: bench(model, opt, sched, m, a.saves, Path(tmp), a.cold, tokens)
                 for m in ("disabled", "async")
             }
+        res["alone"] = alone
         params = sum(p.numel() for p in model.parameters()) / 1e6
         rows.append((spec, params, size, disk, res))
         del model, opt, sched
     print(f"\n{a.saves} saves per mode (later = median of saves 2-{a.saves}), one process, "
-          f"fp32 + AdamW, vocab {a.vocab}; blocked = save() holds the caller, s\n")  # fmt: skip
+          f"fp32 + AdamW, vocab {a.vocab}; blocked = save() and the wait before the next "
+          f"optimizer step hold the caller, s; step = the next forward and backward "
+          f"({a.step_tokens} tokens), s\n")  # fmt: skip
     print("| model | params (M) | state (GiB) | sync blocked 1st / later | async blocked 1st "
-          "/ later | async written (later) | async / sync blocked (later) |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "/ later | async written (later) | async / sync blocked (later) "
+          "| step alone / beside the async copy |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for spec, params, size, _, res in rows:
         sync, asy = res["disabled"], res["async"]
         print(f"| {spec} | {params:.1f} | {size:.2f} | {sync['first']:.3f} / {sync['later']:.3f} "
               f"| {asy['first']:.3f} / {asy['later']:.3f} | {asy['written']:.3f} "
-              f"| {asy['later'] / sync['later']:.2f} |")  # fmt: skip
+              f"| {asy['later'] / sync['later']:.2f} "
+              f"| {res['alone']:.3f} / {asy['step']:.3f} |")  # fmt: skip
     reads = "the disk (page cache emptied first)" if a.cold else "the page cache where it fits"
     print(f"\nGB/s (1e9 bytes); disk = the folder's own fsynced write / read of the same size; "
           f"reads from {reads}\n")  # fmt: skip

@@ -3,15 +3,18 @@ with the device once per step (reading "finite?" and "stop?" together)."""
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, read_jsonl
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.overrides import TorchFunctionMode
 
 import train
 from titanlite import checks
+from titanlite.checkpoint.staging import ReusingStager
 from titanlite.config_parse import parse_args
 from titanlite.distributed import init_distributed
 
@@ -172,3 +175,68 @@ def test_block_grad_norms_are_the_grads_norms_and_make_up_the_global_norm(tmp_pa
     for r in records:
         blocks = torch.tensor([r[f"grad_norm/{n}"] for n in names], dtype=torch.float64)
         assert blocks.square().sum().sqrt().item() == pytest.approx(r["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["step-after-backward", "step-in-backward"])
+def test_async_save_is_copied_before_the_next_step_changes_the_weights(
+    tmp_path, monkeypatch, early
+):
+    """An async save's copy of the state overlaps the next step's forward and backward; the
+    trainer waits for it before the weights change (the optimizer step, or with
+    early_step_in_backward the backward). Here each copy is held until the trainer waits for it
+    or the weights changed: without that wait it would hold the next step's weights."""
+    argv = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
+    argv += ["--training.seq_len", "32", "--training.local_batch_size", "2"]
+    argv += ["--training.mixed_precision_param", "float32", "--metrics.peak_tflops", "1"]
+    argv += ["--training.steps", "3", "--no-metrics.enable_tensorboard", "--checkpoint.enable"]
+    argv += ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2"]
+    argv += ["--optimizer.early_step_in_backward", "--training.max_norm", "0"] if early else []
+    released, staged, at_save = threading.Event(), [], []
+    copy = StateDictStager.stage
+
+    def held_copy(self, state_dict, **kwargs):
+        assert released.wait(120)
+        out = copy(self, state_dict, **kwargs)
+        staged.append({k: v.clone() for k, v in out["model"].items()})  # the buffers are reused
+        return out
+
+    queue = ReusingStager.stage
+
+    def queue_held_copy(self, state_dict):
+        released.clear()
+        return queue(self, state_dict)
+
+    monkeypatch.setattr(StateDictStager, "stage", held_copy)
+    monkeypatch.setattr(ReusingStager, "stage", queue_held_copy)
+    t = train.Trainer(parse_args([*argv, "--job.dump_folder", str(tmp_path)]), init_distributed())
+    try:
+        save, wait = t.checkpointer.save, t.checkpointer.wait_for_staging
+
+        def save_and_remember(step):
+            at_save.append({k: v.detach().clone() for k, v in t.model.state_dict().items()})
+            save(step)
+
+        def release_then_wait():
+            released.set()
+            wait()
+
+        target = (t, "forward_backward") if early else (t.optimizer, "step")
+        change = getattr(*target)
+
+        def change_then_release(*args, **kwargs):
+            out = change(*args, **kwargs)
+            released.set()
+            return out
+
+        monkeypatch.setattr(t.checkpointer, "save", save_and_remember)
+        monkeypatch.setattr(t.checkpointer, "wait_for_staging", release_then_wait)
+        monkeypatch.setattr(*target, change_then_release)
+        t.train()
+        final = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    finally:
+        t.close()
+    assert len(staged) == len(at_save) == 2  # steps 2 and 3
+    for copied, then in zip(staged, at_save):
+        assert copied.keys() == then.keys()
+        assert all(torch.equal(copied[k], then[k]) for k in then)
+    assert not all(torch.equal(final[k], at_save[0][k]) for k in final)  # step 3 did change them

@@ -97,8 +97,9 @@ def assert_same(a, b):
 
 
 def keep_staged(staged: list):
-    """ReusingStager.stage, also keeping every state dict it staged in `staged`: kept alive, the
-    buffers of a later save could not land at the addresses of an earlier one by chance."""
+    """ReusingStager.stage, also keeping the Future of every state dict it staged in `staged`:
+    kept alive, the buffers of a later save could not land at the addresses of an earlier one by
+    chance."""
     stage = ReusingStager.stage
 
     def spy(self, state_dict, **kwargs):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import assert_nested_equal, torchrun_script
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
 from titanlite.checkpoint import MARKER, scan_checkpoints
 from titanlite.checkpoint.manager import _capture_rng, _restore_rng
@@ -106,18 +107,54 @@ def test_async_staging_reuses_its_buffers_and_keeps_call_time_values(tiny, tmp_p
     tiny.train(mgr, 1, save=False)
     before = tiny.snapshot(mgr)
     mgr.save(2)
+    mgr.wait_for_staging()  # what the trainer does before its next optimizer step
     with torch.no_grad():  # the next step updates weights and moments in place, mid-write
         for p in mgr.model.parameters():
             p.add_(1.0)
             mgr.optimizer.state[p]["exp_avg"].add_(1.0)
     mgr.wait()
 
-    first, second = (tensor_ptrs(s) for s in staged)
+    first, second = (tensor_ptrs(s.result()) for s in staged)
     assert len(first) == 16 and first == second  # 4 weights, 3 AdamW tensors each
     live = {p.data_ptr() for p in mgr.model.parameters()}
     assert not live & set(second.values())  # a copy, not the live tensors
     fresh = tiny.manager(tmp_path)
     assert tiny.resume(fresh) == 2
+    after = tiny.snapshot(fresh)
+    after["rng"] = before["rng"]  # the rng moved on in this process since; checked elsewhere
+    tiny.assert_same(before, after)
+    mgr.close()
+
+
+def test_async_staging_runs_off_the_caller_until_waited_for(tiny, tmp_path, monkeypatch):
+    """save() returns before the state is copied (the copy overlaps the next forward and
+    backward); wait_for_staging() returns only once it is, and the copy holds save()'s values."""
+    gate, copied_on = threading.Event(), []
+    copy = StateDictStager.stage
+
+    def gated_copy(self, state_dict, **kwargs):
+        copied_on.append(threading.current_thread())
+        assert gate.wait(120), "the copy was never released"
+        return copy(self, state_dict, **kwargs)
+
+    monkeypatch.setattr(StateDictStager, "stage", gated_copy)
+    mgr = tiny.manager(tmp_path, async_mode="async")
+    tiny.train(mgr, 1, save=False)
+    before = tiny.snapshot(mgr)
+    mgr.save(1)  # a copy on this thread would wait for the gate forever
+    waiter = threading.Thread(target=mgr.wait_for_staging)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # held until the copy is done
+    gate.set()
+    waiter.join(120)
+    assert not waiter.is_alive() and copied_on[0] is not threading.current_thread()
+    with torch.no_grad():  # the optimizer step after the wait, while the write goes on
+        for p in mgr.model.parameters():
+            p.add_(1.0)
+    mgr.wait()
+    fresh = tiny.manager(tmp_path)
+    assert tiny.resume(fresh) == 1
     after = tiny.snapshot(fresh)
     after["rng"] = before["rng"]  # the rng moved on in this process since; checked elsewhere
     tiny.assert_same(before, after)

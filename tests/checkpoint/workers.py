@@ -78,11 +78,13 @@ def fsdp(folder: str, mode: str) -> None:
         _same_step_on_every_rank(mgr)  # while step 1 is written
         full = get_state_dict(mgr.model, mgr.optimizer, options=options)
         mgr.save(2)
-        with torch.no_grad():  # after save() returned, while step 2 is written
+        mgr.wait_for_staging()  # what the trainer does before its next optimizer step
+        with torch.no_grad():  # while step 2 is written
             for p in mgr.model.parameters():
                 p.add_(1.0)
         mgr.close()
-        ptrs = [{k: t._local_tensor.data_ptr() for k, t in s["model"].items()} for s in staged]
+        staged = [s.result()["model"] for s in staged]
+        ptrs = [{k: t._local_tensor.data_ptr() for k, t in s.items()} for s in staged]
         assert len(ptrs) == 2 and ptrs[0] == ptrs[1] and len(ptrs[0]) == 4, ptrs
     else:
         assert resume(mgr) == 2

@@ -134,4 +134,4 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert len(saved) == 2 and saved[1] == steps, saved  # the preemption save and the last step
     assert f"training from step {saved[0]} to {steps}" in log, log[-4000:]
     # Each step exactly once: the first run stopped at the saved step, the second went on from it.
-    assert [r["step"] for r in read_jsonl(jsonl)] == list(range(1, steps + 1))
+    assert [r["step"] for r in read_jsonl(jsonl)] == list(range(1, steps + 1)), log[-6000:]

@@ -124,6 +124,7 @@ class CheckpointManager:
         # the next collective until they finish.
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="titanlite-ckpt")
         self._published: Future | None = None
+        self._staged: Future | None = None  # an async save's copy of the state, until waited for
         # An async save gets its own process group: on the default one its collectives would
         # interleave with the training step's and deadlock or time out.
         self.process_group = self._stager = None
@@ -166,12 +167,15 @@ class CheckpointManager:
             warn_if_short(self.folder, step, needed)
         writer = checksummed_writer(tmp)  # hashes each file as it is written
         if self.cfg.async_mode == "async":
-            written = dcp.async_save(
+            # The stager copies in a thread of its own: DCP answers with two Futures, the copy
+            # (the state may change once it is done) and the write.
+            response = dcp.async_save(
                 state, storage_writer=writer, process_group=self.process_group,
                 async_stager=self._stager,
             )  # fmt: skip
+            self._staged = response.staging_completion
             self._published = self._publisher.submit(
-                self._publish_when_written, written, writer, step, needed
+                self._publish_when_written, response.upload_completion, writer, step, needed
             )
         else:
             try:
@@ -207,8 +211,17 @@ class CheckpointManager:
             raise save_failed(self.folder, step, needed, f"async: {_dcp_reason(e)}") from e
         self._finalize(step, {"checksums": record(writer, self.process_group)})
 
+    def wait_for_staging(self) -> None:
+        """Block until the async save in flight (if any) has copied the state it saves: call it
+        before changing weights or optimizer state in place. The trainer does, before its next
+        optimizer step, so the copy overlaps that step's forward and backward."""
+        if self._staged is not None:
+            staged, self._staged = self._staged, None
+            staged.result()
+
     def wait(self) -> None:
         """Block until the save in flight (if any) is written, published and old ones pruned."""
+        self.wait_for_staging()
         if self._published is not None:
             published, self._published = self._published, None
             published.result()
