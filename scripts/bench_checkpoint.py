@@ -11,12 +11,12 @@ trainer makes before its optimizer step (`wait_for_staging`). "blocked" is how l
 held: for sync `save()`, the whole write (publishing and pruning run in a background thread); for
 async `save()` plus that wait, the part of the staging copy into host memory that the forward and
 backward did not hide (the copy runs in a thread beside them, the write in another). "step" is
-that forward and backward's time, beside its time with no save in flight: on a CPU the copy takes
-memory bandwidth and a core from it. The first async save allocates the staging buffers, later
-ones copy into the same buffers, so first and later saves are reported apart (later: median).
-"written" is until the checkpoint is complete on disk, published and the older ones pruned
-(`wait()` returned). Async mode holds a second copy of the state in memory for as long as the
-manager lives (the staging buffers).
+that forward and backward's time, beside its time with no save in flight: the copy and the write
+(DCP's threads plan, serialize and hash in Python) take cores, memory bandwidth and the GIL.
+The first async save allocates the staging buffers, later ones copy into the same buffers, so
+first and later saves are reported apart (later: median). "written" is until the checkpoint is
+complete on disk, published and the older ones pruned (`wait()` returned). Async mode holds a
+second copy of the state in memory for as long as the manager lives (the staging buffers).
 
 The disk's own bandwidth is measured the same way in the same folder: a file of the state's size
 written in 64 MiB blocks and fsynced (as DCP fsyncs each file), then read back. Load is a full
@@ -124,13 +124,14 @@ def forward_backward(model, tokens) -> float:
 def bench(model, opt, sched, mode: str, saves: int, folder: Path, cold: bool, tokens) -> dict:
     cfg = replace(Checkpoint(), enable=True, interval=1, keep_latest_k=1, async_mode=mode)
     mgr = CheckpointManager(cfg, folder, model, opt, sched, _State(), _State())
-    blocked, written, steps = [], [], [0.0]
+    blocked, written, steps = [], [], []
     for step in range(1, saves + 1):
         t0 = time.perf_counter()
         mgr.save(step)
         blocked.append(time.perf_counter() - t0)
-        if mode == "async":  # a sync save has written everything before the step starts
-            steps.append(forward_backward(model, tokens))
+        steps.append(0.0)  # a sync save has written everything before the step starts
+        if mode == "async":
+            steps[-1] = forward_backward(model, tokens)
             t1 = time.perf_counter()
             mgr.wait_for_staging()  # a trainer's wait before its optimizer step
             blocked[-1] += time.perf_counter() - t1
@@ -147,7 +148,7 @@ def bench(model, opt, sched, mode: str, saves: int, folder: Path, cold: bool, to
         "first": blocked[0],
         "later": statistics.median(blocked[1:]),
         "written": statistics.median(written[1:]),
-        "step": statistics.median(steps[1:]),  # 0 for sync
+        "step": statistics.median(steps[1:]),
         "loaded": loaded,
     }
 
@@ -188,7 +189,7 @@ def main(argv=None) -> None:
           f"({a.step_tokens} tokens), s\n")  # fmt: skip
     print("| model | params (M) | state (GiB) | sync blocked 1st / later | async blocked 1st "
           "/ later | async written (later) | async / sync blocked (later) "
-          "| step alone / beside the async copy |")  # fmt: skip
+          "| step alone / beside the async save |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for spec, params, size, _, res in rows:
         sync, asy = res["disabled"], res["async"]
