@@ -24,6 +24,8 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+# No thread dies printing a traceback (DCP's writer threads among them): the one line is all.
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(small_disk, tmp_path, capsys,
                                                                  async_mode):  # fmt: skip

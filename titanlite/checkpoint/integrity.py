@@ -19,6 +19,7 @@ instead reads them back, from disk where they did not stay in the page cache: a 
 """
 
 import logging
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -92,6 +93,37 @@ class _HashingFileSystem(FileSystem):
             self.written[Path(new_path).name] = self.written.pop(Path(path).name)
 
 
+@contextmanager
+def _writer_threads_quiet(failures: list[str]):
+    """A DCP writer thread that fails dies with its error, and Python prints a traceback per
+    thread (a full disk fails all of them) beside the save's own one-line error. That error
+    names `failures`, and a dead thread's items are missing, which fails the save: inside this
+    context such a thread dies quietly, its error added to `failures` when none was recorded
+    (it failed outside a file's writes). Any other thread's error is printed as before.
+
+    DCP joins its writer threads only when the calling thread's own writes succeeded: on its
+    error the others may still be writing into the step's folder, which the failed save then
+    removes. So the context ends only once they are done."""
+    before = set(threading.enumerate())
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        name = args.thread.name if args.thread is not None else ""
+        if "_write_files_from_queue" not in name:
+            previous(args)
+        elif not failures:
+            failures.append(f"{args.exc_type.__name__}: {args.exc_value}")
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        for thread in set(threading.enumerate()) - before:
+            if "_write_files_from_queue" in thread.name:
+                thread.join()
+        threading.excepthook = previous
+
+
 class _CheckedWriter(dcp.FileSystemWriter):
     """DCP's writer, whose save fails when any of this rank's items went unwritten. torch's
     writer collects no error from its threads but the first: a thread that fails (a full disk)
@@ -99,7 +131,8 @@ class _CheckedWriter(dcp.FileSystemWriter):
     save done (checked on torch 2.13: 8 tensors saved, 2 in the metadata, the load a KeyError)."""
 
     def write_data(self, plan, planner):
-        written = super().write_data(plan, planner)  # done: the threads were joined
+        with _writer_threads_quiet(self.fs.failures):
+            written = super().write_data(plan, planner)  # done: the threads were joined
         if len(written.value()) != len(plan.items):
             unwritten = len(plan.items) - len(written.value())
             raise OSError(
