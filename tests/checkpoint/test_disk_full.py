@@ -42,6 +42,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(small_disk, tmp
     assert f"written to {folder}: it needs about 6" in errors[0]  # ~64 MiB, the step-2 folder
     assert "MiB are free there (not enough space" in errors[0]
     assert "the partial step-4.tmp was removed; step 2 and earlier are untouched" in errors[0]
+    assert "No space left on device" in errors[0]  # the first failed write, not what came after
     assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
     state = tmp_path / "step2.pt"
     dcp_to_torch_save(folder / "step-2", state)  # every file there is whole and readable

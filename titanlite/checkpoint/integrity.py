@@ -53,9 +53,14 @@ class _HashingStream:
 
     def __init__(self, raw):
         self._raw, self.size, self.digest = raw, 0, xxhash.xxh3_64()
+        self.error: OSError | None = None  # the write that failed: torch.save raises another
 
     def write(self, data) -> int:
-        n = self._raw.write(data)  # a buffered binary file writes it all or raises
+        try:
+            n = self._raw.write(data)  # a buffered binary file writes it all or raises
+        except OSError as e:
+            self.error = e
+            raise
         self.digest.update(data)
         self.size += n
         return n
@@ -83,6 +88,7 @@ class _HashingFileSystem(FileSystem):
             try:
                 yield stream
             except Exception as e:  # kept for _CheckedWriter: DCP's extra threads drop it
+                e = stream.error or e  # a full disk's OSError, not torch.save's "unexpected pos"
                 self.failures.append(f"{Path(path).name}: {type(e).__name__}: {e}")
                 raise
         self.written[Path(path).name] = {"size": stream.size, "digest": stream.digest.hexdigest()}

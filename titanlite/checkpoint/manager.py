@@ -74,6 +74,14 @@ def _dcp_reason(err: BaseException) -> str:
     return lines[-1].strip() if lines else type(err).__name__
 
 
+def _write_reason(writer, err: BaseException) -> str:
+    """Why a save failed: DCP's reason, unless it does not name this rank's first failed file
+    write, the cause (a full disk under DCP's own writer thread surfaces as torch.save's
+    "unexpected pos" that followed it)."""
+    reason, failures = _dcp_reason(err), writer.fs.failures
+    return failures[0] if failures and failures[0] not in reason else reason
+
+
 def _capture_rng() -> dict:
     """This rank's generators only: its CPU one and the one of the GPU it trains on. All visible
     GPUs' states would be restored by index and fail when a rerun sees fewer GPUs."""
@@ -182,7 +190,7 @@ class CheckpointManager:
                 with single_process_quietly():
                     dcp.save(state, storage_writer=writer)
             except CheckpointException as e:  # raised on every rank: DCP reduces the failures
-                raise save_failed(self.folder, step, needed, _dcp_reason(e)) from e
+                raise save_failed(self.folder, step, needed, _write_reason(writer, e)) from e
             checksums = record(writer)
             self._published = self._publisher.submit(self._finalize, step, {"checksums": checksums})
         self._last_saved = step
@@ -208,7 +216,8 @@ class CheckpointManager:
         try:
             written.result()  # DCP completes it after every rank's data is on disk
         except (Exception, CheckpointException) as e:
-            raise save_failed(self.folder, step, needed, f"async: {_dcp_reason(e)}") from e
+            reason = _write_reason(writer, e)
+            raise save_failed(self.folder, step, needed, f"async: {reason}") from e
         self._finalize(step, {"checksums": record(writer, self.process_group)})
 
     def wait_for_staging(self) -> None:
