@@ -96,6 +96,16 @@ def assert_same(a, b):
     assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
 
 
+def assert_resumes_as(folder, step: int, before: dict) -> None:
+    """A fresh manager on `folder` resumes `step` holding the snapshot `before`, RNG aside (this
+    process's generators moved on since; the RNG round trip is checked on its own)."""
+    fresh = build_manager(folder)
+    assert resume(fresh) == step
+    after = snapshot(fresh)
+    after["rng"] = before["rng"]
+    assert_same(before, after)
+
+
 def keep_staged(staged: list):
     """ReusingStager.stage, also keeping the Future of every state dict it staged in `staged`:
     kept alive, the buffers of a later save could not land at the addresses of an earlier one by
@@ -122,5 +132,6 @@ def tiny():
     """This file's helpers: test modules cannot import a conftest by name."""
     return SimpleNamespace(
         manager=build_manager, train=train_steps, resume=resume, snapshot=snapshot,
-        assert_same=assert_same, keep_staged=keep_staged, hf_weights=hf_weights,
+        assert_same=assert_same, assert_resumes_as=assert_resumes_as, keep_staged=keep_staged,
+        hf_weights=hf_weights,
     )  # fmt: skip

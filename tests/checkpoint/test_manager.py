@@ -118,11 +118,7 @@ def test_async_staging_reuses_its_buffers_and_keeps_call_time_values(tiny, tmp_p
     assert len(first) == 16 and first == second  # 4 weights, 3 AdamW tensors each
     live = {p.data_ptr() for p in mgr.model.parameters()}
     assert not live & set(second.values())  # a copy, not the live tensors
-    fresh = tiny.manager(tmp_path)
-    assert tiny.resume(fresh) == 2
-    after = tiny.snapshot(fresh)
-    after["rng"] = before["rng"]  # the rng moved on in this process since; checked elsewhere
-    tiny.assert_same(before, after)
+    tiny.assert_resumes_as(tmp_path, 2, before)
     mgr.close()
 
 
@@ -153,11 +149,7 @@ def test_async_staging_runs_off_the_caller_until_waited_for(tiny, tmp_path, monk
         for p in mgr.model.parameters():
             p.add_(1.0)
     mgr.wait()
-    fresh = tiny.manager(tmp_path)
-    assert tiny.resume(fresh) == 1
-    after = tiny.snapshot(fresh)
-    after["rng"] = before["rng"]  # the rng moved on in this process since; checked elsewhere
-    tiny.assert_same(before, after)
+    tiny.assert_resumes_as(tmp_path, 1, before)
     mgr.close()
 
 
