@@ -9,6 +9,7 @@ is tested as users launch it, by run_train and tests/integration/test_launch.py.
 """
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import runpy
 import subprocess
@@ -17,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# What the forkserver imports once, so that every rank starts with it loaded.
-PRELOAD = ["torch", "train", "titanlite.checkpoint", "titanlite.data.loader"]
+# What the forkserver imports once, so that every rank starts with it loaded (see that module).
+PRELOAD = ["rank_preload"]
 
 
 def run_ranks(script, args, nproc: int, env: dict, timeout: float, free_port):
@@ -27,7 +28,7 @@ def run_ranks(script, args, nproc: int, env: dict, timeout: float, free_port):
     stopped, as torchrun does. Returns a CompletedProcess with the ranks' outputs in rank order
     and the first non-zero exit code (0 when every rank succeeded)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    _start_forkserver(ctx)
     # Removed once read; a rank's stray child still writing there must not fail the test.
     with tempfile.TemporaryDirectory(prefix="ranks_", ignore_cleanup_errors=True) as folder:
         logs = Path(folder)
@@ -44,6 +45,25 @@ def run_ranks(script, args, nproc: int, env: dict, timeout: float, free_port):
         returncode = _wait(procs, timeout, [str(script), *map(str, args)])
         stdout, stderr = (_joined(logs, nproc, stream) for stream in ("out", "err"))
     return subprocess.CompletedProcess([script, *args], returncode, stdout, stderr)
+
+
+def _start_forkserver(ctx) -> None:
+    """Start this process's forkserver with PRELOAD imported, once. It imports with the sys.path
+    of a fresh interpreter in the current folder (Python 3.11 does not pass on the parent's), and
+    it skips a preload that fails to import, so the tests folder and the repository go on its
+    PYTHONPATH for its start only."""
+    ctx.set_forkserver_preload(PRELOAD)
+    here = Path(__file__).resolve().parent
+    saved = os.environ.get("PYTHONPATH")
+    paths = [str(here), str(here.parent), *([saved] if saved else [])]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def _joined(logs: Path, nproc: int, stream: str) -> str:
