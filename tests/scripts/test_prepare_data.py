@@ -85,7 +85,7 @@ def test_on_a_terminal_progress_lines_count_documents_against_the_expected(tmp_p
 
 
 def test_resumes_after_sigkill_keeping_finished_shards(tmp_path):
-    # 8 shards: the kill comes once shard 1 is written, 6 shards (~0.3 s each) before the last.
+    # 8 shards: the kill comes once shard 1 is written, with 6 shards (~0.3 s each) still to go.
     corpus = write_corpus(tmp_path / "c.jsonl", 8 * 4096, words_per_doc=20)
     out, partial = tmp_path / "store", tmp_path / ".store.partial"
     proc = subprocess.Popen(prepare_cmd(corpus, out, 1), stderr=subprocess.PIPE, text=True)
