@@ -4,16 +4,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import titanlite.loss as loss_module
 from titanlite.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy_sum
 
 B, S, D, V = 2, 24, 16, 37  # N = 48 tokens
 
 
-def make_inputs(dtype=torch.float32, seed=0):
+def make_inputs(dtype=torch.float32, seed=0, vocab=V):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(B, S, D, generator=g).to(dtype)
-    w = (torch.randn(V, D, generator=g) * D**-0.5).to(dtype)
-    labels = torch.randint(0, V, (B, S), generator=g)
+    w = (torch.randn(vocab, D, generator=g) * D**-0.5).to(dtype)
+    labels = torch.randint(0, vocab, (B, S), generator=g)
     labels[0, :5] = IGNORE_INDEX
     labels[1, 10:13] = IGNORE_INDEX
     return h, w, labels
@@ -63,8 +64,8 @@ def test_cross_entropy_sum_is_the_sum_over_kept_tokens():
     torch.testing.assert_close(loss, expected)
 
 
-# 1 and 7 do not divide N = 48 and also split the vocab into backward blocks (block = chunk * V // D
-# rows: 2 and 16 of 37); 48 is one chunk; 1000 is larger than N.
+# 1 and 7 do not divide N = 48; 48 is one chunk; 1000 is larger than N. V = 37 is one backward
+# vocab block (test_backward_vocab_blocks_are_whole_tiles splits the vocabulary).
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 16, 48, 1000])
 def test_chunked_equals_plain_fp32(chunk_tokens):
     h, w, labels = make_inputs()
@@ -74,6 +75,29 @@ def test_chunked_equals_plain_fp32(chunk_tokens):
     assert out[0].dtype == torch.float32 and out[0].shape == ()
     for got, want in zip(out, ref, strict=True):
         assert_close_fp32(got, want)
+
+
+# The backward walks the vocabulary in blocks of about chunk * V / D rows, rounded down to whole
+# 128-row tiles: V = 300, D = 16: chunk 7 -> 131 -> 128 rows (blocks 128, 128, 44), chunk 16 ->
+# 300 -> 256 (256, 44). An untiled block (131 rows) would be the leading dimension of the logit
+# gradients; odd ones sent 3B's loss GEMMs to cuBLAS's unaligned kernels on GPUs.
+@pytest.mark.parametrize(("chunk_tokens", "blocks"), [(7, [128, 128, 44]), (16, [256, 44])])
+def test_backward_vocab_blocks_are_whole_tiles(chunk_tokens, blocks, monkeypatch):
+    rows = []
+
+    def recording(h_c, w_b, *args):
+        rows.append(w_b.shape[0])
+        return grad_logits(h_c, w_b, *args)
+
+    grad_logits = loss_module._grad_logits
+    monkeypatch.setattr(loss_module, "_grad_logits", recording)
+    h, w, labels = make_inputs(vocab=300)
+    ref = loss_and_grads(plain, h, w, labels, scale=0.37)
+    out = loss_and_grads(chunked(chunk_tokens), h, w, labels, scale=0.37)
+    for got, want in zip(out, ref, strict=True):
+        assert_close_fp32(got, want)
+    token_chunks = -(-B * S // chunk_tokens)
+    assert rows == [n for n in blocks for _ in range(token_chunks)]
 
 
 def test_flat_tokens_input():
