@@ -32,12 +32,14 @@ CONFIGS = {"8B": "llama_8b.toml", "70B": "llama_70b.toml", "405B": "llama_405b.t
 
 def layout(row: dict) -> Layout:
     """The row's layout. torchtitan (at the benchmarked version) split a pipeline step into as
-    many microbatches as there are stages: pp for 1F1B, two per rank for interleaved."""
+    many microbatches as there are stages: pp for 1F1B, two per rank for interleaved. Its
+    selective 'op' AC recomputes every second matmul: titanlite's 'op_alternate'."""
     stages = row["pp"] * (2 if row["pp_schedule"] == "Interleaved1F1B" else 1)
     return Layout(
         tp=row["tp"], cp=row["cp"], pp=row["pp"], dp_replicate=row["dp_replicate"],
         dp_shard=row["dp_shard"], schedule=row["pp_schedule"] or "1F1B",
-        local_batch_size=row["local_batch_size"], accumulation=1, ac=row["ac"],
+        local_batch_size=row["local_batch_size"], accumulation=1,
+        ac="selective_alternate" if row["ac"] == "selective" else row["ac"],
         pp_microbatch_size=max(1, row["local_batch_size"] // stages) if row["pp"] > 1 else 1,
         chunk_tokens=0, float8=row["float8"], compile=row["compile"],
     )  # fmt: skip

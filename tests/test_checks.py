@@ -28,7 +28,7 @@ from titanlite.parallel_dims import ParallelDims
         (
             ["--activation_checkpoint.mode", "selective",
              "--activation_checkpoint.selective_ac_option", "0"],
-            "'op' or a positive integer",
+            "'op', 'op_alternate' or a positive integer",
         ),
         (["--training.dataset_streaming"], "set training.dataset_path"),
         (["--training.dataset_max_bad_rows", "5"], "skips bad rows of local files: set"),

@@ -109,6 +109,21 @@ def test_gqa_kv_saved_as_kv_heads_unless_a_mask_repeats_them():
     assert sdpa_kv(ARGS, cp=2) == 2 * 64 * 2
 
 
+def test_selective_op_options_save_all_or_every_second_matmul_output():
+    """Llama 3 8B's block per token, by hand: the block input, the SDPA output and the matmul
+    outputs q 4096, k 1024, v 1024, wo 4096, w1 14336, w3 14336, w2 4096; 'op_alternate'
+    recomputes k, wo and w3 (torchtitan's 'op', whose 31,744 its docs use)."""
+    eight_b = ModelArgs(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                        ffn_dim_multiplier=1.3, multiple_of=1024, max_seq_len=8192)  # fmt: skip
+
+    def saved(option):
+        return block_activation_elems(setup(model_args=eight_b, selective_ac_option=option))[1]
+
+    assert saved("op") == 4096 + 4096 + (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
+    assert saved("op") == 51_200
+    assert saved("op_alternate") == 51_200 - 1024 - 4096 - 14336 == 31_744
+
+
 def test_a_dense_document_mask_is_held_per_microbatch_in_flight():
     """The sdpa backend's document mask: [rows, seq / cp, seq] bools kept from forward to
     backward, plus one SDPA call's fp32 bias (the whole mask without CP; the late chunk's rows

@@ -12,7 +12,15 @@ import torch
 from torch.torch_version import TorchVersion
 
 from titanlite.build import model_args_for
-from titanlite.config import Checkpoint, ConfigError, JobConfig, Metrics, Optimizer, Training
+from titanlite.config import (
+    SELECTIVE_OP_OPTIONS,
+    Checkpoint,
+    ConfigError,
+    JobConfig,
+    Metrics,
+    Optimizer,
+    Training,
+)
 from titanlite.data.cache import cache_root
 from titanlite.data.sources import HUB_DATASETS
 from titanlite.data.store import is_store
@@ -83,10 +91,14 @@ def check_options(cfg: JobConfig) -> None:
             "processes: set --training.dataloader.num_workers N (N > 0) or leave them unset"
         )
     option = ac.selective_ac_option
-    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+    if (
+        ac.mode == "selective"
+        and option not in SELECTIVE_OP_OPTIONS
+        and not (option.isdigit() and int(option) >= 1)
+    ):
         raise ConfigError(
-            "activation_checkpoint.selective_ac_option must be 'op' or a positive integer N "
-            f"(checkpoint every Nth block), got {option!r}"
+            "activation_checkpoint.selective_ac_option must be 'op', 'op_alternate' or a positive "
+            f"integer N (checkpoint every Nth block), got {option!r}"
         )
     _check_early_step(cfg.optimizer, t, cfg.metrics)
     _check_wandb_installed(cfg.metrics)

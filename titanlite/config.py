@@ -260,12 +260,20 @@ class Checkpoint:
     create_seed_checkpoint: bool = opt(False, "Write the initial weights as step 0 and exit")
 
 
+# selective_ac_option values that pick a per-op policy (any other is N: every Nth block).
+SELECTIVE_OP_OPTIONS = ("op", "op_alternate")
+
+
 @dataclass
 class ActivationCheckpoint:
     """Recomputing activations in backward to save memory."""
 
     mode: str = opt("none", "Which blocks recompute", choices=("none", "full", "selective"))
-    selective_ac_option: str = opt("op", "'op' = save matmul outputs; N = every Nth block")
+    selective_ac_option: str = opt(
+        "op",
+        "'op' = save every matmul output; 'op_alternate' = every second one (torchtitan's 'op': "
+        "less memory, more recompute); N = every Nth block",
+    )
 
 
 @dataclass

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from titanlite.config import SELECTIVE_OP_OPTIONS
 from titanlite.models import get_family
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.pipeline_plan import SINGLE_STAGE, plan_pipeline
@@ -96,7 +97,7 @@ class MemorySetup:
     tp: int = 1
     cp: int = 1
     ac_mode: str = "none"  # none | full | selective
-    selective_ac_option: str = "op"  # "op" or N (every Nth block)
+    selective_ac_option: str = "op"  # "op", "op_alternate" or N (every Nth block)
     chunk_tokens: int = 0
     param_dtype: str = "bfloat16"
     loss_parallel: bool = False
@@ -111,8 +112,11 @@ class MemorySetup:
         if self.ac_mode not in ("none", "full", "selective"):
             raise ValueError(f"ac_mode must be none|full|selective, got {self.ac_mode!r}")
         opt = self.selective_ac_option
-        if self.ac_mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) > 0):
-            raise ValueError(f"selective_ac_option must be 'op' or a positive int, got {opt!r}")
+        per_op = opt in SELECTIVE_OP_OPTIONS
+        if self.ac_mode == "selective" and not per_op and not (opt.isdigit() and int(opt) > 0):
+            raise ValueError(
+                f"selective_ac_option must be 'op', 'op_alternate' or a positive int, got {opt!r}"
+            )
         if self.param_dtype not in DTYPE_BYTES:
             raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}")
         for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "local_batch_size", "seq_len"):
@@ -236,8 +240,12 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     inner = (3 * dim + sdpa_kv + 4 * ffn) / tp
     full = norm_io + gathered + inner
     # Selective op: block input + mm outputs (q, k, v before repeat, wo, w1, w3, w2) + sdpa out
-    # (CP's gathered k and v are gathered again in backward, like TP's norm outputs).
-    sac = dim / tp + (dim + 2 * kv + dim + 2 * ffn + dim + dim) / tp
+    # (CP's gathered k and v are gathered again in backward, like TP's norm outputs);
+    # 'op_alternate' recomputes every second matmul: k, wo and w3.
+    mm_out = dim + 2 * kv + dim + 2 * ffn + dim
+    if s.selective_ac_option == "op_alternate":
+        mm_out -= kv + dim + ffn
+    sac = dim / tp + (mm_out + dim) / tp
     ckpt = dim / tp  # full AC: the block input only
     return full, sac, ckpt
 
@@ -253,7 +261,7 @@ def activation_bytes(s: MemorySetup) -> float:
         kept, rebuilt = n * full, 0.0
     elif s.ac_mode == "full":
         kept, rebuilt = n * ckpt, full
-    elif s.selective_ac_option == "op":
+    elif s.selective_ac_option in SELECTIVE_OP_OPTIONS:
         kept, rebuilt = n * sac, full - sac
     else:
         n_ckpt = n // int(s.selective_ac_option)

@@ -1,5 +1,7 @@
 """The step-time model on cases whose arithmetic can be checked by hand."""
 
+from dataclasses import replace
+
 import pytest
 
 from titanlite.plan.devices import Device
@@ -34,6 +36,17 @@ def test_full_ac_recomputes_a_third_of_the_matmuls_and_two_sevenths_of_attention
     added = 4 * (t["block_matmul_s"] / 3 + t["block_attention_s"] * 2 / 7)
     assert full.step_s - none.step_s == pytest.approx(added)
     assert full.split["recompute"] == pytest.approx(added)
+
+
+def test_selective_alternate_also_recomputes_k_wo_and_w3():
+    shape = replace(SHAPE, block_linear_params=2 * 1000 * 1000 + 2 * 1000 * 500 + 3 * 1000 * 3000)
+    sel, alt = (predict(shape, Layout(ac=ac), DEVICE, 8, UNIT)
+                for ac in ("selective", "selective_alternate"))  # fmt: skip
+    forward = sel.terms["block_matmul_s"] / 3  # one block's forward matmuls
+    k_wo_w3 = 1000 * (500 + 1000 + 3000) / shape.block_linear_params  # 4.5 M of 12 M
+    added = 4 * forward * k_wo_w3
+    assert alt.split["recompute"] - sel.split["recompute"] == pytest.approx(added)
+    assert alt.step_s - sel.step_s == pytest.approx(added)
 
 
 def test_chunked_loss_recomputes_the_logits():

@@ -69,6 +69,7 @@ def test_405b_fits_no_node_and_the_smallest_cluster_is_named():
     Layout(pp=2, dp_replicate=2, dp_shard=2, schedule="Interleaved1F1B", local_batch_size=4,
            ac="none", float8=True, compile=False),
     Layout(cp=2, dp_shard=4, ac="selective"),
+    Layout(dp_shard=8, ac="selective_alternate"),
 ])  # fmt: skip
 def test_flags_are_the_layout_as_train_py_reads_it(lo):
     cfg = parse_args(["--job.config_file", "train_configs/llama_8b.toml", *flags(lo)])

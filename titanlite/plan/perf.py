@@ -15,7 +15,8 @@ Per rank and step (T = tokens the rank processes per step, L its transformer blo
   per pass: time = passes x bytes / HBM bandwidth, with fewer passes compiled than eager.
 - activation checkpointing recomputes: full, each block's whole forward (a third of its matmul
   FLOPs, 2/7 of its attention, its elementwise forward); selective (op), only the elementwise
-  forward, since matmul and attention outputs are saved.
+  forward, since matmul and attention outputs are saved; selective_alternate (op_alternate)
+  also the forward of k, wo and w3, every second matmul.
 - the optimizer: fused AdamW reads param, grad and two moments and writes three (28 bytes per
   local fp32 parameter) at HBM bandwidth.
 - FSDP over dp_shard x cp ranks: per microbatch, the block weights are all-gathered in
@@ -71,6 +72,15 @@ class Constants:
     source: str = "defaults (fitted on one H200)"
 
 
+# The planner's AC values as train.py's activation_checkpoint (mode, selective_ac_option).
+AC_CONFIG = {
+    "none": ("none", "op"),
+    "selective": ("selective", "op"),
+    "selective_alternate": ("selective", "op_alternate"),
+    "full": ("full", "op"),
+}
+
+
 @dataclass(frozen=True)
 class Layout:
     """One candidate: degrees, batch split, and the memory/speed switches."""
@@ -84,7 +94,7 @@ class Layout:
     local_batch_size: int = 1  # rows per microbatch per data-parallel rank
     accumulation: int = 1  # microbatches per optimizer step
     pp_microbatch_size: int = 1  # rows per pipeline microbatch (local_batch_size splits into them)
-    ac: str = "selective"  # none | selective | full
+    ac: str = "selective"  # a key of AC_CONFIG
     chunk_tokens: int = 0
     float8: bool = False
     compile: bool = True
@@ -248,7 +258,9 @@ def block_seconds(st: _Step) -> tuple[float, float, float]:
         * st.tokens
         / (st.device.hbm_gbps * 1e9)
     )
+    alternate = s.dim * (s.kv_dim + s.dim + s.ffn_dim) / s.block_linear_params  # k, wo, w3
     recompute = {"none": 0.0, "selective": elem / 3,
+                 "selective_alternate": (alternate * mm + elem) / 3,
                  "full": mm / 3 + attn * 2 / 7 + elem / 3}[lo.ac]  # fmt: skip
     act_mb = st.tokens / st.micro * s.dim * st.param_bytes  # one [tokens, dim] per microbatch
     tp = (8 + (4 if lo.ac == "full" else 0)) * st.micro * st.seconds(act_mb, lo.tp, lo.tp)

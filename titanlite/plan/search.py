@@ -9,7 +9,7 @@ from titanlite.config import ConfigError
 from titanlite.memory_estimate import GIB, estimate
 from titanlite.parallel_dims import ParallelDims
 from titanlite.plan.devices import Device
-from titanlite.plan.perf import Constants, Layout, Prediction, predict
+from titanlite.plan.perf import AC_CONFIG, Constants, Layout, Prediction, predict
 from titanlite.plan.shape import Model, memory_setup
 from titanlite.progress import Progress
 
@@ -38,7 +38,7 @@ class Choices:
     """Which switches the search may turn (plan --no_float8; plan auto keeps float8 and compile
     as the config has them)."""
 
-    ac: tuple[str, ...] = ("none", "selective", "full")
+    ac: tuple[str, ...] = ("none", "selective", "selective_alternate", "full")
     chunk_tokens: tuple[int, ...] = (0, CHUNK_TOKENS)
     float8: tuple[bool, ...] = (False, True)
     compile: bool = True
@@ -181,8 +181,8 @@ def flags(lo: Layout) -> list[str]:
         "parallelism.pipeline_parallel_microbatch_size": lo.pp_microbatch_size,
         "training.local_batch_size": lo.local_batch_size,
         "training.global_batch_size": lo.global_batch,
-        "activation_checkpoint.mode": lo.ac,
-        "activation_checkpoint.selective_ac_option": "op",
+        "activation_checkpoint.mode": AC_CONFIG[lo.ac][0],
+        "activation_checkpoint.selective_ac_option": AC_CONFIG[lo.ac][1],
         "loss.chunk_tokens": lo.chunk_tokens,
     }
     argv = [a for k, v in out.items() for a in (f"--{k}", str(v))]

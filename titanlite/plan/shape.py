@@ -11,7 +11,7 @@ from titanlite.float8 import float8_enabled
 from titanlite.memory_estimate import MemorySetup, param_counts
 from titanlite.models import get_family
 from titanlite.parallel_dims import ParallelDims
-from titanlite.plan.perf import Layout, Shape, pipeline_options
+from titanlite.plan.perf import AC_CONFIG, Layout, Shape, pipeline_options
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,14 @@ def layout_of(cfg, world_size: int) -> Layout:
 
 
 def _layout(cfg, pd: ParallelDims, accumulation: int = 1) -> Layout:
-    p, t = cfg.parallelism, cfg.training
+    p, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
+    # selective 'N' (every Nth block) has no planner value: modelled as 'op'.
+    planned = {v: k for k, v in AC_CONFIG.items()}.get((ac.mode, ac.selective_ac_option), ac.mode)
     return Layout(
         tp=pd.tp, cp=pd.cp, pp=pd.pp, dp_replicate=pd.dp_replicate, dp_shard=pd.dp_shard,
         schedule=p.pipeline_parallel_schedule, local_batch_size=t.local_batch_size,
         pp_microbatch_size=p.pipeline_parallel_microbatch_size,
-        accumulation=accumulation, ac=cfg.activation_checkpoint.mode,
+        accumulation=accumulation, ac=planned,
         chunk_tokens=cfg.loss.chunk_tokens, float8=float8_enabled(cfg), compile=cfg.compile.enable,
     )  # fmt: skip
 
@@ -75,11 +77,13 @@ def memory_setup(model_args, model_name: str, seq_len: int, lo: Layout, device: 
     what a job config sets beyond a layout (dtype, CPU offload, the pipeline rank...) or states
     itself (its loss_parallel and pipeline options); a planner's layout takes MemorySetup's
     defaults, loss parallel under TP, and its own pipeline options."""
-    run = dict(loss_parallel=lo.tp > 1, pp_options=pipeline_options(lo)) | run
+    ac_mode, option = AC_CONFIG[lo.ac]
+    run = dict(loss_parallel=lo.tp > 1, pp_options=pipeline_options(lo),
+               selective_ac_option=option) | run  # fmt: skip
     return MemorySetup(
         model_args=model_args, model_name=model_name, local_batch_size=lo.local_batch_size,
         seq_len=seq_len, dp_replicate=lo.dp_replicate, dp_shard=lo.dp_shard, tp=lo.tp, cp=lo.cp,
-        ac_mode=lo.ac, chunk_tokens=lo.chunk_tokens, pp=lo.pp, device=device, **run,
+        ac_mode=ac_mode, chunk_tokens=lo.chunk_tokens, pp=lo.pp, device=device, **run,
     )  # fmt: skip
 
 

@@ -224,7 +224,8 @@ def one_step(model):
 
 
 @pytest.mark.parametrize(
-    "ac_mode,option", [("full", "op"), ("selective", "op"), ("selective", "2")]
+    "ac_mode,option",
+    [("full", "op"), ("selective", "op"), ("selective", "op_alternate"), ("selective", "2")],
 )
 def test_activation_checkpointing_matches_eager(ac_mode, option):
     pd = ParallelDims(1, 1, 1, 1)
@@ -274,6 +275,43 @@ def test_selective_ac_recomputes_no_float8_amax(monkeypatch):
     amax = torch.ops.aten.max.default
     assert (amax, CheckpointPolicy.MUST_SAVE) in ran
     assert (amax, CheckpointPolicy.PREFER_RECOMPUTE) not in recomputed | ran
+
+
+@pytest.mark.parametrize(
+    ("option", "saved"),
+    [
+        ("op", [True] * 7),
+        # wq, wk, wv, wo, w1, w3, w2 in the order the block runs them: k, wo and w3 recomputed.
+        ("op_alternate", [True, False, True, False, True, False, True]),
+    ],
+)
+def test_selective_ac_saves_the_matmuls_its_option_names(option, saved, monkeypatch):
+    from titanlite.models.llama import parallelize
+
+    real, blocks = parallelize.create_selective_checkpoint_contexts, []
+
+    def recording(policy):
+        decisions = {False: [], True: []}  # forward, recompute: is each matmul's output saved?
+        blocks.append(decisions)
+
+        def spy(ctx, func, *args, **kwargs):
+            decision = policy(ctx, func, *args, **kwargs)
+            if func is torch.ops.aten.mm.default:
+                decisions[ctx.is_recompute].append(decision == CheckpointPolicy.MUST_SAVE)
+            return decision
+
+        return real(spy)
+
+    monkeypatch.setattr(parallelize, "create_selective_checkpoint_contexts", recording)
+    model = reference_model()
+    parallelize.apply_ac(model, "selective", option)
+    one_step(model)
+    assert len(blocks) == ARGS.n_layers
+    for decisions in blocks:
+        assert decisions[False] == saved
+        # torch <= 2.12 asks the policy again in the recompute (which may stop once backward has
+        # what it needs); 2.13 replays the forward's decisions without asking.
+        assert decisions[True] == saved[: len(decisions[True])]
 
 
 @pytest.mark.slow

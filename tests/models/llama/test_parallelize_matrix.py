@@ -30,6 +30,7 @@ AC_MODES = {
     "none": ("none", "op", 0),
     "full": ("full", "op", ARGS.n_layers),
     "selective_op": ("selective", "op", ARGS.n_layers),
+    "selective_op_alternate": ("selective", "op_alternate", ARGS.n_layers),
     "selective_2": ("selective", "2", ARGS.n_layers // 2),
 }
 
