@@ -21,7 +21,8 @@ from titanlite.memory_estimate import (
     param_counts,
 )
 from titanlite.models.llama.args import ModelArgs
-from titanlite.plan.shape import setup_from_config
+from titanlite.plan.perf import Layout
+from titanlite.plan.shape import memory_setup, setup_from_config
 
 # dim 64, 2 layers, 4 heads (head_dim 16), ffn 256 (multiple_of 256), vocab 128.
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=32)
@@ -122,6 +123,18 @@ def test_selective_op_options_save_all_or_every_second_matmul_output():
     assert saved("op") == 4096 + 4096 + (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
     assert saved("op") == 51_200
     assert saved("op_alternate") == 51_200 - 1024 - 4096 - 14336 == 31_744
+
+
+def test_the_compiled_plain_loss_holds_the_logits_and_their_gradient():
+    eager = loss_bytes(setup())
+    compiled = loss_bytes(setup(compiled_loss=True))
+    tokens, vocab = 2 * 16, 128  # setup(): local batch 2 x seq 16, ARGS' vocab
+    assert eager == tokens * vocab * (3 * 4 + 2)  # bf16 logits, their fp32 upcast, ...
+    assert compiled == tokens * vocab * (2 + 2)  # bf16 logits and their bf16 gradient
+    # The plan of a compiled layout counts it unless the loss is vocab-parallel.
+    assert memory_setup(ARGS, "llama3", 16, Layout(compile=True)).compiled_loss
+    assert not memory_setup(ARGS, "llama3", 16, Layout(tp=2, compile=True)).compiled_loss
+    assert not memory_setup(ARGS, "llama3", 16, Layout(compile=False)).compiled_loss
 
 
 def test_a_dense_document_mask_is_held_per_microbatch_in_flight():

@@ -46,7 +46,8 @@ error):
   log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits; chunked, one
   chunk's logits (fp32 + param_dtype copy), the fp32 [tokens, dim] input gradient and the
   [vocab, dim] weight gradient in the weight's dtype. Loss parallel divides the vocab by tp.
-- torch.compile fuses elementwise ops and saves less; it is not modelled (an overestimate).
+- torch.compile fuses elementwise ops and saves less; it is not modelled (an overestimate),
+  except for the plain loss, which compile.enable compiles (loss_bytes).
 - The foreach AdamW step allocates about one fp32 copy of the local parameters as temporaries.
 - CPU offload (FSDP's CPUOffloadPolicy): the sharded params, grads, AdamW states and the step's
   temporaries live in host memory, none of it on the device; FSDP applies, as with bf16. The
@@ -103,6 +104,7 @@ class MemorySetup:
     loss_parallel: bool = False
     reshard_after_forward: str = "default"
     cpu_offload: bool = False  # training.enable_cpu_offload
+    compiled_loss: bool = False  # compile.enable without loss parallel: the plain loss compiled
     pp: int = 1
     pp_rank: int = 0  # the pipeline rank whose memory is estimated
     pp_options: object = None  # the parallelism config section (pipeline_parallel_*), with pp > 1
@@ -293,7 +295,9 @@ def loss_bytes(s: MemorySetup) -> float:
     act = DTYPE_BYTES[s.param_dtype]
     vocab = a.vocab_size / s.tp if s.loss_parallel else a.vocab_size
     if s.chunk_tokens <= 0:
-        return tokens * vocab * (3 * 4 + (act if act != 4 else 0))
+        # Eager: the logits, their fp32 upcast, its log-softmax and their gradient; compiled
+        # (parallelize.apply_compile): the logits and their gradient.
+        return tokens * vocab * (2 * act if s.compiled_loss else 3 * 4 + (act if act != 4 else 0))
     chunk = min(s.chunk_tokens, tokens)
     # Backward (loss.py): fp32 grad_h [N, d], grad_w [V_local, d] in the weight's dtype (FSDP's
     # unsharded param_dtype, else the fp32 parameter), and a chunk-sized fp32 block accumulator.

@@ -90,8 +90,8 @@ NOT_YET = {
     "memory_budget",
     "activation_checkpoint.determinism_check": "torch's default check applies",
     "activation_checkpoint.debug": "torch's default applies",
-    "compile.components": "compile.enable compiles each transformer block; the loss runs "
-    "eagerly (loss.chunk_tokens bounds its memory)",
+    "compile.components": "compile.enable compiles each transformer block and the plain "
+    "(unchunked) loss, as torchtitan's default ['model', 'loss'] does; no choice per component",
     "comm.trace_buf_size": "set TORCH_FR_BUFFER_SIZE in the environment (NCCL's flight recorder)",
     "comm.save_traces_folder": "set TORCH_FR_DUMP_TEMP_FILE in the environment",
     "comm.save_traces_file_prefix": "set TORCH_FR_DUMP_TEMP_FILE in the environment",

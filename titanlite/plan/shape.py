@@ -80,6 +80,7 @@ def memory_setup(model_args, model_name: str, seq_len: int, lo: Layout, device: 
     ac_mode, option = AC_CONFIG[lo.ac]
     run = dict(loss_parallel=lo.tp > 1, pp_options=pipeline_options(lo),
                selective_ac_option=option) | run  # fmt: skip
+    run.setdefault("compiled_loss", lo.compile and not run["loss_parallel"])
     return MemorySetup(
         model_args=model_args, model_name=model_name, local_batch_size=lo.local_batch_size,
         seq_len=seq_len, dp_replicate=lo.dp_replicate, dp_shard=lo.dp_shard, tp=lo.tp, cp=lo.cp,

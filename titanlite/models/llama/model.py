@@ -255,6 +255,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
         # (h, output weight, labels, chunk_tokens) -> summed CE; apply_tp swaps in a sharded one.
         self.chunked_loss = linear_cross_entropy_sum
+        # (logits, labels) -> summed CE; apply_compile swaps in a compiled one.
+        self.plain_loss = cross_entropy_sum
 
     def param_init(self, name: str) -> ParamInit:
         """The distribution of parameter `name` (a state-dict key, any layout's)."""
@@ -357,4 +359,4 @@ class Transformer(nn.Module):
             return self.output(h)
         if chunk_tokens > 0:
             return self.chunked_loss(h, self.output.weight, labels, chunk_tokens)
-        return cross_entropy_sum(self.output(h), labels)
+        return self.plain_loss(self.output(h), labels)

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.float8 import tp_styles
+from titanlite.loss import cross_entropy_sum
 from titanlite.models.llama.context_parallel import cp_attention, split_inputs
 from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
 from titanlite.models.tiled_init import fill_
@@ -66,7 +67,8 @@ def parallelize_llama(
     if ac_inside:
         apply_ac(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     if compile_cfg.enable:
-        apply_compile(model, compile_cfg.backend)
+        compile_loss = not parallel_dims.loss_parallel(parallelism_cfg)
+        apply_compile(model, compile_cfg.backend, compile_loss)
     if ac_cfg.mode != "none" and not ac_inside:
         apply_ac(model, ac_cfg.mode, ac_cfg.selective_ac_option)
     # FSDP's policy is the only mixed-precision mechanism, in every layout: autocast keeps the
@@ -217,11 +219,17 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> None:
             model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
-def apply_compile(model: nn.Module, backend: str) -> None:
+def apply_compile(model: nn.Module, backend: str, compile_loss: bool = True) -> None:
     """Compile each block on its own: identical blocks share one compiled graph (fast warm-up),
-    and FSDP's per-block hooks stay outside the compiled regions."""
+    and FSDP's per-block hooks stay outside the compiled regions. With `compile_loss` the plain
+    (unchunked) loss too: eager, it upcasts the [tokens, vocab] logits to fp32 and keeps their
+    log-softmax and its gradient, 12 more bytes per logit; compiled, it reads the logits in one
+    fused pass and writes only their gradient. Loss parallel's vocab-sharded DTensor logits
+    stay eager (its loss runs under torch's loss_parallel context)."""
     for key, block in model.layers.items():
         model.layers[key] = torch.compile(block, backend=backend, fullgraph=True)
+    if compile_loss:
+        model.plain_loss = torch.compile(cross_entropy_sum, backend=backend)
 
 
 def apply_fsdp(
