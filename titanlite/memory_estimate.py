@@ -43,9 +43,10 @@ error):
   block full AC. With AC one block's full
   activations are rebuilt in backward. One more block's worth is allowed for gradient buffers.
 - Loss: unchunked, the fp32 logits exist three times at the start of backward (saved
-  log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits; chunked, one
-  chunk's logits (fp32 + param_dtype copy), the fp32 [tokens, dim] input gradient and the
-  [vocab, dim] weight gradient in the weight's dtype. Loss parallel divides the vocab by tp.
+  log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits (compiled:
+  only the param_dtype logits and their gradient); chunked, one chunk's logits (fp32 +
+  param_dtype copy), the fp32 [tokens, dim] input gradient and the [vocab, dim] weight gradient
+  in the weight's dtype. Loss parallel divides the vocab by tp.
 - torch.compile fuses elementwise ops and saves less; it is not modelled (an overestimate),
   except for the plain loss, which compile.enable compiles (loss_bytes).
 - The foreach AdamW step allocates about one fp32 copy of the local parameters as temporaries.

@@ -178,7 +178,8 @@ def _sac_context():
 def _alternate_mm_sac_context():
     """'op_alternate' (torchtitan's 'op'): as 'op', but every second matmul of a block is
     recomputed (k, wo's and w3's outputs), so a block keeps 4 of its 7 matmul outputs (8B:
-    31,744 instead of 51,200 elements per token) for about a third more forward matmul FLOPs."""
+    31,744 instead of 51,200 elements per token) and recomputes about a third of its forward
+    matmul FLOPs."""
     # torch <= 2.12 asks the policy again in the recompute (2.13 replays the forward's
     # decisions): with a count of its own the recompute picks the forward's matmuls.
     counts = {False: 0, True: 0}
