@@ -205,9 +205,11 @@ def test_compiled_plain_loss_keeps_only_the_logits_gradient(tmp_path):
         fn(logits, labels).backward()
 
     step(compiled)  # compile outside the measurement
-    want = logits.grad.clone()
     logit_bytes = n * vocab * 2
     trace = tmp_path / "trace.json"
     assert peak_bytes_allocated(lambda: step(cross_entropy_sum), trace) >= 4 * logit_bytes
+    eager = logits.grad.clone()
     assert peak_bytes_allocated(lambda: step(compiled), trace) <= 1.1 * logit_bytes
-    torch.testing.assert_close(logits.grad, want, rtol=0, atol=0)
+    # Both round the same fp32 softmax gradient to bf16; fused, its fp32 terms are summed in
+    # another order, which may move a rounding across one bf16 step (up to 2**-7 relative).
+    torch.testing.assert_close(logits.grad, eager, rtol=2**-7, atol=0)

@@ -13,13 +13,13 @@ from torch.torch_version import TorchVersion
 
 from titanlite.build import model_args_for
 from titanlite.config import (
-    SELECTIVE_OP_OPTIONS,
     Checkpoint,
     ConfigError,
     JobConfig,
     Metrics,
     Optimizer,
     Training,
+    valid_selective_ac_option,
 )
 from titanlite.data.cache import cache_root
 from titanlite.data.sources import HUB_DATASETS
@@ -91,11 +91,7 @@ def check_options(cfg: JobConfig) -> None:
             "processes: set --training.dataloader.num_workers N (N > 0) or leave them unset"
         )
     option = ac.selective_ac_option
-    if (
-        ac.mode == "selective"
-        and option not in SELECTIVE_OP_OPTIONS
-        and not (option.isdigit() and int(option) >= 1)
-    ):
+    if ac.mode == "selective" and not valid_selective_ac_option(option):
         raise ConfigError(
             "activation_checkpoint.selective_ac_option must be 'op', 'op_alternate' or a positive "
             f"integer N (checkpoint every Nth block), got {option!r}"

@@ -264,6 +264,11 @@ class Checkpoint:
 SELECTIVE_OP_OPTIONS = ("op", "op_alternate")
 
 
+def valid_selective_ac_option(option: str) -> bool:
+    """A per-op policy's name or a positive integer N (checkpoint every Nth block)."""
+    return option in SELECTIVE_OP_OPTIONS or (option.isdigit() and int(option) >= 1)
+
+
 @dataclass
 class ActivationCheckpoint:
     """Recomputing activations in backward to save memory."""

@@ -70,7 +70,7 @@ from functools import cached_property
 
 import torch
 
-from titanlite.config import SELECTIVE_OP_OPTIONS
+from titanlite.config import SELECTIVE_OP_OPTIONS, valid_selective_ac_option
 from titanlite.models import get_family
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.pipeline_plan import SINGLE_STAGE, plan_pipeline
@@ -116,8 +116,7 @@ class MemorySetup:
         if self.ac_mode not in ("none", "full", "selective"):
             raise ValueError(f"ac_mode must be none|full|selective, got {self.ac_mode!r}")
         opt = self.selective_ac_option
-        per_op = opt in SELECTIVE_OP_OPTIONS
-        if self.ac_mode == "selective" and not per_op and not (opt.isdigit() and int(opt) > 0):
+        if self.ac_mode == "selective" and not valid_selective_ac_option(opt):
             raise ValueError(
                 f"selective_ac_option must be 'op', 'op_alternate' or a positive int, got {opt!r}"
             )
