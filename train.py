@@ -417,9 +417,10 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, dist_env)
     except (ConfigError, CheckpointError) as e:
         # User mistakes (config, data, checkpoint), found before any step: one line, no
-        # traceback wall. Every rank fails the same way, so one of them says it.
-        if rank == 0:
-            print(f"titanlite: error: {e}", file=sys.stderr)
+        # traceback wall, from every rank that met it. Not from rank 0 alone: a mistake may be
+        # one node's (a file only its disk lacks), and where all ranks meet it torchrun stops
+        # the rest as soon as the first exits, maybe before rank 0 has written its line.
+        print(f"titanlite: error: {e}", file=sys.stderr)
         destroy(barrier=False)
         return 2
     if rank == 0:

@@ -2,10 +2,11 @@
 losses and grad norms as one process, for every layout of FSDP, HSDP, TP and CP (pipeline layouts:
 test_pipeline_numerics.py); bad layouts fail cleanly before any weight is built."""
 
+import json
 import re
 
 import pytest
-from conftest import run_train
+from conftest import REPO, run_train, torchrun_script
 from integration.parity import (
     BASE,
     PP,
@@ -188,3 +189,18 @@ def test_bad_layout_fails_cleanly_under_torchrun(nproc, args, expected, tmp_path
     # Rejected before the model is built: no parameter count logged, nothing written.
     assert "parameters" not in out
     assert not dump.exists()
+
+
+def test_a_user_error_on_one_rank_only_is_said_by_that_rank(tmp_path):
+    """A data file missing on one node only: that rank stops with the one line naming it (its
+    peers, past the check, wait in a collective until they are stopped), whichever rank it is:
+    a line left to rank 0 would never be written."""
+    missing = tmp_path / "nowhere.jsonl"
+    extra = json.dumps(["--training.dataset", "local", "--training.dataset_path", str(missing)])
+    args = [*BASE, "--parallelism.data_parallel_shard_degree", "2"]
+    proc = torchrun_script(REPO / "tests" / "integration" / "one_rank_args.py", "1", extra,
+                           *args, "--job.dump_folder", str(tmp_path / "run"), nproc=2,
+                           check=False)  # fmt: skip
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("titanlite: error:")]
+    assert len(errors) == 1 and str(missing) in errors[0], proc.stderr
