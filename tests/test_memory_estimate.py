@@ -1,11 +1,12 @@
 """Memory estimator arithmetic on small hand-checkable cases (no timings, no GPU)."""
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
-from conftest import REPO
+from conftest import REPO, TINY_TRAIN, torchrun_script
 
 from titanlite.build import model_args_for_vocab
 from titanlite.config_parse import parse_args
@@ -17,6 +18,7 @@ from titanlite.memory_estimate import (
     estimate,
     estimate_stages,
     fsdp_buffer_bytes,
+    fsdp_grad_bytes,
     loss_bytes,
     param_counts,
 )
@@ -194,7 +196,7 @@ def test_chunked_loss_reduces_loss_memory():
 
 def test_cpu_offload_keeps_params_grads_and_states_off_the_device():
     """Only the step's working set stays: FSDP's gathered weights, activations, the loss."""
-    kept = ("unsharded weights / casts", "activations (AC none)", "logits / loss")
+    kept = ("unsharded weights / grads", "activations (AC none)", "logits / loss")
     for dp_shard in (1, 2):  # one rank too: FSDP then wraps the model just to offload it
         fp32 = setup(dp_shard=dp_shard, param_dtype="float32")
         offloaded = estimate(replace(fp32, cpu_offload=True)).rows
@@ -261,6 +263,39 @@ def test_pp_ranks_hold_their_stages_and_the_ends_the_root_parts():
     assert activation_bytes(last) == pytest.approx(per_mb * (1 + 1))
     gpipe = replace(pp_setup("GPipe", local_batch_size=4), pp_rank=1)
     assert activation_bytes(gpipe) == pytest.approx(per_mb * (4 + 1))
+
+
+def test_pp_fsdp_holds_the_stage_gradient_in_fp32_until_the_last_microbatch():
+    """torch's pipeline stage syncs FSDP's gradients once, after the last microbatch: the
+    stage's whole unsharded gradient accumulates in fp32, beside the bf16 gradients not yet
+    upcast: the head's through the whole backward, then one block's or (made last) the
+    embedding's, whichever is larger."""
+    c = param_counts(ARGS)
+    block, head = c["block_split"] + c["block_replicated"], c["output"] + c["norm"]
+    first, last = (replace(pp_setup(), param_dtype="bfloat16", pp_rank=r) for r in (0, 1))
+    assert (
+        fsdp_grad_bytes(c, first) == (block + c["embedding"]) * 4 + max(block, c["embedding"]) * 2
+    )
+    assert fsdp_grad_bytes(c, last) == (block + head) * 4 + (head + block) * 2
+    fp32 = replace(pp_setup(dp_shard=2), pp_rank=0)  # FSDP without a cast: fp32 gradients only
+    assert fsdp_grad_bytes(c, fp32) == (block + c["embedding"]) * 4
+    assert fsdp_grad_bytes(c, setup(dp_shard=2)) == block * 4  # no PP: one block's, synced
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fsdp_grad_bytes_is_what_fsdp_holds_under_pp(dtype, tmp_path):
+    """PP 2 x FSDP 2, each step two local batches of two 1-row pipeline microbatches: each
+    rank's peak of FSDP's unsharded gradients, read from FSDP itself, is the estimator's figure
+    for that rank, to the byte (unsharded, so no padding)."""
+    pp = ["--parallelism.pipeline_parallel_degree", "2"]
+    args = [*TINY_TRAIN, *pp, "--training.steps", "2", "--training.mixed_precision_param", dtype,
+            "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    proc = torchrun_script(REPO / "tests" / "fsdp_grad_peak.py", *args, nproc=4)
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3], proc.stdout
+    for r in ranks:
+        assert r["measured"] == r["estimated"], r
 
 
 def test_pp_estimates_every_stage_of_the_405b_config():

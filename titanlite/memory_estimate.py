@@ -23,7 +23,7 @@ error):
   activations).
 - FSDP keeps the root's unsharded param_dtype weights (embedding, final norm, output) for the
   whole step, and 2 blocks' unsharded weights in flight (current + prefetched) plus one block's
-  unsharded fp32 gradient waiting for its reduce-scatter.
+  unsharded fp32 gradient waiting for its reduce-scatter (under PP: see below).
 - Without data parallelism FSDP still wraps the model when the compute dtype is not fp32 (its
   policy is the only mixed-precision mechanism), over a one-rank mesh: the same buffers as above.
 - Activations per block and token follow this repo's model.py (eager, no fusion): saved tensors of
@@ -61,8 +61,12 @@ error):
   forwards in flight, min(n v, (v - 1) pp + 2 (pp - 1 - r) + 1), torch's interleaved warm-up,
   each of one stage's blocks (zero-bubble and V schedules are taken to hold the same). The
   logits exist for one pipeline microbatch at a time. FSDP keeps every block of a stage
-  unsharded (fsdp_reshard_after_forward default under PP). The received activations and the
-  gradients sent back are not counted separately.
+  unsharded (fsdp_reshard_after_forward default under PP). torch's pipeline stage turns FSDP's
+  gradient sync off for every microbatch's backward and reduce-scatters once after the last,
+  so the stage's unsharded gradients (its blocks and root parts) accumulate in fp32 (FSDP's
+  reduce dtype) from the first backward to the end of the step, plus one block's
+  param_dtype gradient before its upcast: at 405B on TP 8 x PP 8, 25 GiB a rank. The received
+  activations and the gradients sent back are not counted separately.
 """
 
 from dataclasses import dataclass, field, replace
@@ -210,12 +214,21 @@ def param_counts(args: ModelArgs, model_name: str = "llama3") -> dict[str, int]:
 
 def _held(counts: dict[str, int], s: MemorySetup, blocks: int) -> float:
     """Elements of `blocks` blocks and the root parts this rank holds, after TP."""
-    share = s.share
-    block = counts["block_split"] / s.tp + counts["block_replicated"]
-    root = counts["embedding"] / s.tp if share.embedding else 0.0
-    if share.head:
-        root += counts["output"] / s.tp + counts["norm"]
-    return blocks * block + root
+    embedding, head = _root_held(counts, s)
+    return blocks * _block_held(counts, s) + embedding + head
+
+
+def _block_held(counts: dict[str, int], s: MemorySetup) -> float:
+    """Elements of one block after TP."""
+    return counts["block_split"] / s.tp + counts["block_replicated"]
+
+
+def _root_held(counts: dict[str, int], s: MemorySetup) -> tuple[float, float]:
+    """Elements of the (embedding, final norm + output) this rank holds after TP: 0 for a part
+    on another pipeline stage."""
+    embedding = counts["embedding"] / s.tp if s.share.embedding else 0.0
+    head = counts["output"] / s.tp + counts["norm"] if s.share.head else 0.0
+    return embedding, head
 
 
 def _local_params(counts: dict[str, int], s: MemorySetup) -> float:
@@ -310,18 +323,35 @@ def loss_bytes(s: MemorySetup) -> float:
 
 def fsdp_buffer_bytes(counts: dict[str, int], s: MemorySetup) -> float:
     """Unsharded weights and grads that FSDP materializes during the step."""
-    pb = DTYPE_BYTES[s.param_dtype]
-    if not s.fsdp:
-        return 0.0
-    # FSDP all-gathers over dp_shard x cp only: the gathered weights are still TP-local (1/tp).
-    # The root stays unsharded for the whole step; so do a pipeline stage's blocks by default.
-    root = _held(counts, s, 0) * pb
-    block = _held(counts, s, 1) - _held(counts, s, 0)
+    return fsdp_weight_bytes(counts, s) + fsdp_grad_bytes(counts, s) if s.fsdp else 0.0
+
+
+def fsdp_weight_bytes(counts: dict[str, int], s: MemorySetup) -> float:
+    """FSDP's all-gathered param_dtype weights. It all-gathers over dp_shard x cp only: the
+    gathered weights are still TP-local (1/tp). The root stays unsharded for the whole step;
+    so do a pipeline stage's blocks by default."""
+    root = _held(counts, s, 0)
     keep_all = s.reshard_after_forward == "never" or (
         s.pp > 1 and s.reshard_after_forward == "default"
     )
     in_flight = s.share.blocks if keep_all else 2
-    return root + in_flight * block * pb + block * 4  # gathered weights + fp32 RS input
+    return (root + in_flight * _block_held(counts, s)) * DTYPE_BYTES[s.param_dtype]
+
+
+def fsdp_grad_bytes(counts: dict[str, int], s: MemorySetup) -> float:
+    """FSDP's unsharded gradients: one block's in fp32, the reduce-scatter input; under PP the
+    stage's whole (torch's pipeline stage turns FSDP's gradient sync off for every microbatch's
+    backward and syncs once after the last), accumulated in fp32, FSDP's reduce dtype. Below
+    fp32 each gradient is also produced in param_dtype and upcast when its FSDP unit's backward
+    ends: a block's at once, the root's at the end of the stage's backward, so the head's
+    (made first) lives through all of it and the embedding's (made last) outlives no block's."""
+    block = _block_held(counts, s)
+    if s.pp == 1:
+        return block * 4
+    pb = DTYPE_BYTES[s.param_dtype]
+    embedding, head = _root_held(counts, s)
+    upcast = (head + max(block, embedding)) * pb if pb != 4 else 0.0
+    return _held(counts, s, s.share.blocks) * 4 + upcast
 
 
 def estimate(s: MemorySetup, counts: dict[str, int] | None = None) -> MemoryEstimate:
@@ -337,7 +367,7 @@ def estimate(s: MemorySetup, counts: dict[str, int] | None = None) -> MemoryEsti
     fwd_bwd = fsdp_buffer_bytes(counts, s) + activation_bytes(s) + loss_bytes(s)
     optim_step = on_device * 4  # foreach temporaries
     if fwd_bwd >= optim_step:
-        est.rows["unsharded weights / casts"] = fsdp_buffer_bytes(counts, s) * frag
+        est.rows["unsharded weights / grads"] = fsdp_buffer_bytes(counts, s) * frag
         est.rows[f"activations (AC {s.ac_mode})"] = activation_bytes(s) * frag
         est.rows["logits / loss" + (" (chunked)" if s.chunk_tokens else "")] = loss_bytes(s) * frag
     else:
