@@ -2,6 +2,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from titanlite.config import ConfigError
 from titanlite.data import sources
 from titanlite.data.sources import (
     STDLIB_EXCLUDED_DIRS,
@@ -93,3 +94,10 @@ def test_bad_requests(tmp_path, write_jsonl):
     (tmp_path / "c.txt").write_text("x")
     with pytest.raises(ValueError, match="mixes file formats"):
         build_source("local", f"{tmp_path / 'b.jsonl'},{tmp_path / 'c.txt'}")
+
+
+def test_an_unreachable_hub_is_one_line_with_the_way_out():
+    """The suite runs with HF_HUB_OFFLINE set and nothing cached: the hub cannot be reached."""
+    with pytest.raises(ConfigError, match=r"'c4_test' streams allenai/c4 .* cannot reach .*"
+                       r"--training.dataset local --training.dataset_path"):  # fmt: skip
+        next(iter(hub_source("c4_test").documents()))

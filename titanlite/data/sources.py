@@ -317,7 +317,15 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
         )
 
     def open_dataset():
-        return _load_dataset(spec.path, spec.name, spec.data_files, hub_split, True)
+        try:
+            return _load_dataset(spec.path, spec.name, spec.data_files, hub_split, True)
+        except ConnectionError as e:  # no network, or HF_HUB_OFFLINE with nothing cached
+            raise ConfigError(
+                f"dataset {dataset!r} streams {spec.path} from the Hugging Face Hub, "
+                f"which this machine cannot reach ({e}); where there is network, save it as "
+                "jsonl or parquet files, then train on them with --training.dataset local "
+                "--training.dataset_path FILES"
+            ) from e
 
     stream = DocumentStream(open_dataset, text_column, f"dataset {dataset!r} ({spec.path})")
     fingerprint = _hash({"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column})
