@@ -55,6 +55,15 @@ def test_warmup_then_linear_decay_to_zero():
     assert all(a > b for a, b in zip(lr[4:], lr[5:]))
 
 
+def test_warmup_longer_than_the_run_is_clamped_and_said(caplog):
+    lr = lrs({"warmup_steps": 200}, total=4)
+    assert lr == pytest.approx([1 / 4, 2 / 4, 3 / 4, 1.0])
+    assert "warmup_steps (200) exceeds training.steps (4)" in caplog.text
+    caplog.clear()
+    lrs({"warmup_steps": 4}, total=4)
+    assert "exceeds" not in caplog.text
+
+
 def test_stable_phase_and_min_lr():
     lr = lrs({"decay_ratio": 0.5, "min_lr_factor": 0.1, "decay_type": "cosine"}, total=20)
     assert lr[4:10] == pytest.approx([1.0] * 6)  # stable until the last 50%

@@ -151,6 +151,12 @@ def build_lr_scheduler(optimizer, cfg, total_steps: int) -> LambdaLR:
     """Warmup for `warmup_steps`, hold, then decay over the last `decay_ratio` of the run
     (all of it after warmup when decay_ratio < 0) down to `min_lr_factor` x peak."""
     warmup = min(cfg.warmup_steps, total_steps)
+    if warmup < cfg.warmup_steps:  # a short test run of a long job's config, most often
+        logger.warning(
+            "lr_scheduler.warmup_steps (%d) exceeds training.steps (%d): warming up over all "
+            "%d steps, so the learning rate peaks at the last",
+            cfg.warmup_steps, total_steps, total_steps,
+        )  # fmt: skip
     if cfg.decay_ratio < 0:
         stable_end = warmup
     else:
