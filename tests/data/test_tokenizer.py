@@ -125,6 +125,16 @@ def test_missing_unreadable_and_bad_files(tmp_path):
     bad.write_text("this is not a rank file\n")
     with pytest.raises(ConfigError, match="bad.model' is not a tiktoken BPE file"):
         build_tokenizer(cfg(tokenizer_path=str(bad)))
+    empty = tmp_path / "empty.model"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="empty.model' is not a tiktoken BPE file .*no ranks"):
+        build_tokenizer(cfg(tokenizer_path=str(empty)))
+    hf = tmp_path / "tokenizer.json"
+    hf.write_text('{"version": "1.0", "model": {"type": "BPE"}}\n')
+    with pytest.raises(
+        ConfigError, match=r"tokenizer.json is not read: .*original/tokenizer.model"
+    ):
+        build_tokenizer(cfg(tokenizer_path=str(hf)))
 
 
 def test_unknown_encoding():

@@ -126,6 +126,20 @@ def _limit_ranks(ranks: dict[bytes, int], limit: int, where: str) -> dict[bytes,
     return kept
 
 
+def _not_bpe(path: str, why: str) -> str:
+    # Hugging Face checkpoints ship both: tokenizer.json beside the tiktoken file Meta published.
+    hint = (
+        "; a Hugging Face tokenizer.json is not read: use the model's tiktoken file "
+        "(Llama 3: original/tokenizer.model)"
+        if path.endswith(".json")
+        else ""
+    )
+    return (
+        f"tokenizer_path {path!r} is not a tiktoken BPE file "
+        f"(expected lines '<base64 token> <rank>'): {why}{hint}"
+    )
+
+
 def _from_bpe_file(path: str, limit: int) -> Tokenizer:
     file = Path(path)
     try:
@@ -137,10 +151,9 @@ def _from_bpe_file(path: str, limit: int) -> Tokenizer:
         # it re-read a file that changed in place instead of silently using the stale copy.
         ranks = load_tiktoken_bpe(str(file), expected_hash=digest)
     except Exception as e:  # malformed lines raise ValueError/binascii.Error/IndexError
-        raise ConfigError(
-            f"tokenizer_path {path!r} is not a tiktoken BPE file "
-            f"(expected lines '<base64 token> <rank>'): {e}"
-        ) from e
+        raise ConfigError(_not_bpe(path, str(e))) from e
+    if not ranks:
+        raise ConfigError(_not_bpe(path, "it holds no ranks"))
     ranks = _limit_ranks(ranks, limit, path)
     first_special = max(ranks.values()) + 1
     specials = {tok: first_special + i for i, tok in enumerate(llama3_special_tokens())}
