@@ -206,6 +206,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             ckpt, cfg.job.dump_folder, self.model, self.optimizer, self.scheduler, self.loader,
             self.state, dp_degree=pd.dp_degree, last_step=t.steps,
+            n_layers=self.model_args.n_layers,
         )  # fmt: skip
         self.timeouts = CollectiveTimeouts(cfg.comm, keep=(self.checkpointer.process_group,))
         self.preemption = Preemption()

@@ -170,7 +170,9 @@ def build_inference_model(job: Job, device: torch.device) -> nn.Module:
 
 def load_weights(model: nn.Module, step_dir: Path) -> None:
     """The model part of a full or model-only checkpoint, resharded into this layout."""
-    manager = CheckpointManager(Checkpoint(), step_dir.parent, model, None, None, None, None)
+    manager = CheckpointManager(
+        Checkpoint(), step_dir.parent, model, None, None, None, None, n_layers=model.args.n_layers
+    )
     try:
         manager.load(LoadPlan(step_dir, weights_only=True))
     finally:

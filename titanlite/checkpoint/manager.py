@@ -119,13 +119,15 @@ class CheckpointManager:
 
     def __init__(
         self, ckpt_cfg, dump_folder, model, optimizer, lr_scheduler, dataloader, train_state,
-        dp_degree: int = 1, last_step: int = -1,
+        dp_degree: int = 1, last_step: int = -1, n_layers: int | None = None,
     ):  # fmt: skip
+        """`n_layers`: the model's blocks on all pipeline stages; a checkpoint of more is
+        refused (None: not checked)."""
         self.cfg = ckpt_cfg
         self.folder = Path(dump_folder) / ckpt_cfg.folder
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.train_state = dataloader, train_state
-        self.dp_degree, self.last_step = dp_degree, last_step
+        self.dp_degree, self.last_step, self.n_layers = dp_degree, last_step, n_layers
         self._last_saved = -1
         # Publishing (marker, rename) and pruning (rmtree of terabytes at 405B) run in this
         # thread in both modes: on the training thread rank 0 would hold every other rank at
@@ -309,7 +311,9 @@ class CheckpointManager:
 
         def check():  # the files' headers, read once (191 files at 405B), not by every rank
             check_heads(read_hf_config(path), args, path)
-            self._check_model_shapes(path, read_hf_metadata(path), msd, lambda n: names[n][0])
+            saved = read_hf_metadata(path)
+            self._check_model_shapes(path, saved, msd, lambda n: names[n][0])
+            self._check_no_extra_blocks(path, saved, args.n_layers)
 
         rank0_decides(check)
         try:
@@ -336,6 +340,8 @@ class CheckpointManager:
         else:
             state = {"model": get_model_state_dict(self.model)}
         self._check_model_shapes(path, saved, state["model"], lambda n: f"model.{n}")
+        if self.n_layers is not None:
+            self._check_no_extra_blocks(path, saved, self.n_layers)
         for part in parts - {"optimizer"}:
             state[part] = b""
         rng_key = f"rank{rank()}"  # none for a rank the saving run did not have
@@ -392,6 +398,18 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"failed to load checkpoint {path}: {_dcp_reason(e)}") from e
         return state
+
+    @staticmethod
+    def _check_no_extra_blocks(path: Path, saved: dict, n_layers: int) -> None:
+        """A checkpoint of more blocks than the model (a smaller flavor by mistake) would load
+        its first blocks and drop the rest unsaid: every weight the model asks for is there.
+        Block weights are `model.layers.<i>.*` in titanlite's and in Hugging Face's names."""
+        blocks = {int(k.split(".")[2]) for k in saved if k.startswith("model.layers.")}
+        if blocks and max(blocks) >= n_layers:
+            raise ConfigError(
+                f"checkpoint {path} holds {max(blocks) + 1} blocks, the model {n_layers} (wrong "
+                "flavor?): pick the flavor it was saved with"
+            )
 
     @staticmethod
     def _check_model_shapes(path: Path, saved: dict, msd: dict, saved_key) -> None:
