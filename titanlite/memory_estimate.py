@@ -64,9 +64,9 @@ error):
   unsharded (fsdp_reshard_after_forward default under PP). torch's pipeline stage turns FSDP's
   gradient sync off for every microbatch's backward and reduce-scatters once after the last,
   so the stage's unsharded gradients (its blocks and root parts) accumulate in fp32 (FSDP's
-  reduce dtype) from the first backward to the end of the step, plus one block's
-  param_dtype gradient before its upcast: at 405B on TP 8 x PP 8, 25 GiB a rank. The received
-  activations and the gradients sent back are not counted separately.
+  reduce dtype) from the first backward to the end of the step, beside the param_dtype
+  gradients not yet upcast (fsdp_grad_bytes): at 405B on TP 8 x PP 8, 24 GiB a rank. The
+  received activations and the gradients sent back are not counted separately.
 """
 
 from dataclasses import dataclass, field, replace
