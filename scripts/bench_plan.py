@@ -14,7 +14,6 @@ memory within 15%, tokens/s within 30%, the order of rows within each table righ
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,7 +52,7 @@ def compare(row: dict, device, constants) -> dict:
     pred = predict(model.shape, lo, device, row["gpus_per_node"], constants)
     # That torchtitan compiled the blocks, not the loss ("compiling loss function causes CUDA
     # errors" in its train.py then): its plain loss held fp32 logits, as titanlite's eager one.
-    mem = memory_gib(model, replace(lo, compile=False))
+    mem = memory_gib(model, lo, compiled_loss=False)
     return {"tps": pred.tokens_per_s_per_gpu, "mem": mem, "layout": lo}
 
 

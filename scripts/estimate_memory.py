@@ -8,7 +8,7 @@ Every train.py option is accepted (same parser). Extra options, stripped before 
   --world_size N    number of ranks (default 1)
   --vocab_size N    skip building the tokenizer (default: its padded size; Llama 3's 128256 when
                     the configured tokenizer file is missing, e.g. on a laptop)
-  --device cpu      no fragmentation factor (the peak RSS of a CPU run)
+  --device cpu      no allocator cache (the peak RSS of a CPU run)
 On CUDA the estimate is the caching allocator's peak reserved memory, what train.py logs as mem
 (`memory_gib`); the CUDA context and NCCL's buffers come on top of it, outside the allocator.
   --measure N       (one process, CPU) also run N real training steps in this process and

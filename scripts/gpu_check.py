@@ -220,6 +220,24 @@ def calibrate_stage(m: Machine) -> list:
     ]
 
 
+def scale_stage(m: Machine) -> list:
+    """Where the planner disagrees with torchtitan's published rows: 8B's blocks at 32K and 64K
+    tokens (torchtitan's long-context rows run full AC there) and 70B's wide blocks at 8K."""
+    real = ("--model.vocab_limit", "0", "--training.steps", "10", "--training.local_batch_size",
+            "1", *CHUNK, *COMPILE)  # fmt: skip
+    full = ("--activation_checkpoint.mode", "full")
+
+    def shape(flavor: str, seq: int) -> tuple[str, ...]:
+        return (*real, "--model.flavor", flavor, "--training.seq_len", str(seq))
+
+    return [
+        Run("s_8B4L_32k_full_chunk", (*shape("8B_4L", 32768), *full), estimate=True),
+        Run("s_8B4L_64k_full_chunk", (*shape("8B_4L", 65536), *full), estimate=True),
+        Run("s_8B4L_32k_sac_chunk", (*shape("8B_4L", 32768), *SAC), estimate=True),
+        Run("s_70B2L_8k_sac_chunk", (*shape("70B_2L", 8192), *SAC), estimate=True),
+    ]
+
+
 def multi_stage(m: Machine) -> list:
     """Every parallelism on an even number of GPUs, degree 2, FSDP over the rest (1B, eager)."""
     n = m.ngpu - m.ngpu % 2
@@ -256,6 +274,7 @@ STAGES = {
     "flex": (1, 5, flex_stage),
     "bench_loss": (1, 2, bench_loss_stage),
     "calibrate": (1, 7, calibrate_stage),
+    "scale": (1, 7, scale_stage),
     "multi": (2, 8, multi_stage),
     "8b": (8, 5, eight_b_stage),
 }

@@ -1,7 +1,12 @@
 """Per-rank peak memory of a titanlite training step, estimated without a GPU.
 
-peak = params + grads + optimizer states                      (persistent, sharded)
-     + max(forward/backward peak, optimizer-step peak)         (transient)
+peak = params + optimizer states                              (persistent, sharded)
+     + max(start of backward, optimizer step)                  (live)
+     + what the caching allocator keeps of the other one       (CUDA only)
+
+start of backward = gradients held from earlier microbatches (none without accumulation)
+                    + FSDP's unsharded buffers + activations + the loss
+optimizer step    = all the sharded gradients + the step's temporaries
 
 On CUDA this is what the caching allocator reserves at its peak, the figure train.py logs as
 `memory_gib` (peak reserved; `memory_active_gib` beside it is the live part), so the two compare
@@ -19,8 +24,11 @@ error):
   parameter 1/(dp_shard x cp) (dim-0 padding ignored); replication (HSDP) does not shard. TP
   splits the block linears, the embedding and the output projection 1/tp; the RMSNorm weights
   stay replicated.
-- Grads are counted whole for the whole step (an upper bound: they appear as backward frees the
-  activations).
+- Gradients: train.py zeroes them with set_to_none, so a step's first backward starts with none
+  sharded; each appears as its block's backward frees that block's activations, so the
+  working set shrinks from the start of backward on (or, where a block's gradient outweighs its
+  activations, the optimizer step is the peak). With gradient accumulation a later
+  microbatch's backward starts with all of them.
 - FSDP keeps the root's unsharded param_dtype weights (embedding, final norm, output) for the
   whole step, and 2 blocks' unsharded weights in flight (current + prefetched) plus one block's
   unsharded fp32 gradient waiting for its reduce-scatter (under PP: see below).
@@ -41,15 +49,19 @@ error):
   flight. Selective 'op' AC keeps the matmul and SDPA outputs and the block input (CP's K/V are
   gathered again in backward); full AC keeps the block input; selective 'N' makes every Nth
   block full AC. With AC one block's full
-  activations are rebuilt in backward. One more block's worth is allowed for gradient buffers.
+  activations are rebuilt in backward. Eager, one more block's worth is allowed for gradient
+  buffers; compiled, none (the fused backward frees saved tensors as it makes their gradients).
 - Loss: unchunked, the fp32 logits exist three times at the start of backward (saved
   log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits (compiled:
   only the param_dtype logits and their gradient); chunked, one chunk's logits (fp32 +
   param_dtype copy), the fp32 [tokens, dim] input gradient and the [vocab, dim] weight gradient
   in the weight's dtype. Loss parallel divides the vocab by tp.
-- torch.compile fuses elementwise ops and saves less; it is not modelled (an overestimate),
-  except for the plain loss, which compile.enable compiles (loss_bytes).
+- torch.compile (compile.enable) compiles each block: inductor keeps each norm's rstd instead of
+  its input, recomputes silu from w1's output and drops w2's output (block_activation_elems);
+  it also compiles the plain loss (loss_bytes).
 - The foreach AdamW step allocates about one fp32 copy of the local parameters as temporaries.
+- CUDA's caching allocator keeps what a step frees: the working set of the smaller peak is
+  reused by the larger one only in part (CUDA_CACHED_FRACTION of it is added).
 - CPU offload (FSDP's CPUOffloadPolicy): the sharded params, grads, AdamW states and the step's
   temporaries live in host memory, none of it on the device; FSDP applies, as with bf16. The
   device copies of one unit's shards before its all-gather (1/dp_shard of the unit) are left
@@ -81,8 +93,13 @@ from titanlite.models.llama.pipeline_plan import SINGLE_STAGE, plan_pipeline
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Caching-allocator fragmentation: reserved exceeds the live peak by a few to ~10 percent.
-DEFAULT_CUDA_FRAGMENTATION = 1.10
+# What torch's caching allocator keeps reserved beyond the live peak. The optimizer step frees
+# the step's gradients and its temporaries (set_to_none), blocks shaped like the parameters,
+# and the next forward and backward reuse them only in part (and the other way round): on 11
+# single-GPU runs on an H200 (1B to 70B block shapes, 4K to 64K tokens, train.py's default
+# expandable segments) reserved exceeded the live peak by 0.30-0.85 of the smaller of the two
+# working sets, median 0.7.
+CUDA_CACHED_FRACTION = 0.7
 
 # Parameter-name suffixes that tensor parallelism splits (apply_tp's plan).
 _TP_SPLIT = (
@@ -111,10 +128,12 @@ class MemorySetup:
     reshard_after_forward: str = "default"
     cpu_offload: bool = False  # training.enable_cpu_offload
     compiled_loss: bool = False  # compile.enable without loss parallel: the plain loss compiled
+    compiled: bool = False  # compile.enable: the blocks compiled (inductor saves less)
+    accumulation: int = 1  # microbatches per optimizer step (gradient accumulation)
     pp: int = 1
     pp_rank: int = 0  # the pipeline rank whose memory is estimated
     pp_options: object = None  # the parallelism config section (pipeline_parallel_*), with pp > 1
-    device: str = "cuda"  # "cpu": no fragmentation factor
+    device: str = "cuda"  # "cpu": no allocator cache
 
     def __post_init__(self):
         if self.ac_mode not in ("none", "full", "selective"):
@@ -126,7 +145,16 @@ class MemorySetup:
             )
         if self.param_dtype not in DTYPE_BYTES:
             raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}")
-        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "local_batch_size", "seq_len"):
+        for name in (
+            "dp_replicate",
+            "dp_shard",
+            "tp",
+            "cp",
+            "pp",
+            "local_batch_size",
+            "seq_len",
+            "accumulation",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -182,6 +210,7 @@ class MemoryEstimate:
 
     rows: dict[str, float] = field(default_factory=dict)
     num_params: int = 0
+    peak: str = ""  # the phase of the step the rows add up at
 
     @property
     def total(self) -> float:
@@ -191,6 +220,8 @@ class MemoryEstimate:
         lines = [f"{'component':<34} {'GiB':>9}", "-" * 44]
         lines += [f"{name:<34} {b / GIB:>9.3f}" for name, b in self.rows.items()]
         lines += ["-" * 44, f"{'total (estimated peak per rank)':<34} {self.total / GIB:>9.3f}"]
+        if self.peak:
+            lines.append(f"(the peak: {self.peak})")
         return "\n".join(lines)
 
 
@@ -263,13 +294,22 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     if s.selective_ac_option == "op_alternate":
         mm_out -= kv + dim + ffn
     sac = dim / tp + (mm_out + dim) / tp
+    if s.compiled:
+        # Inductor's partition of a compiled block keeps each norm's rstd instead of its input,
+        # recomputes silu(w1 x) from w1's output, and drops w2's output, which no gradient
+        # reads (a compiled 8B block on CPU saved exactly these: tests/test_memory_estimate.py).
+        full -= norm_io + ffn / tp
+        sac -= dim / tp
     ckpt = dim / tp  # full AC: the block input only
     return full, sac, ckpt
 
 
 def activation_bytes(s: MemorySetup) -> float:
     """Saved activations of this rank's blocks for every microbatch in flight, plus one block
-    rebuilt by AC and one block of gradient buffers."""
+    rebuilt by AC, plus (eager) one block of gradient buffers. A compiled block's backward is
+    one fused graph that frees its saved tensors as it makes their gradients: on an H200 (8B's
+    blocks, full AC, 32K-128K tokens) the peak held no more than the rebuilt block's saved
+    tensors and the kept inputs."""
     share = s.share
     n = share.blocks
     act = DTYPE_BYTES[s.param_dtype]
@@ -283,7 +323,8 @@ def activation_bytes(s: MemorySetup) -> float:
     else:
         n_ckpt = n // int(s.selective_ac_option)
         kept, rebuilt = n_ckpt * ckpt + (n - n_ckpt) * full, full
-    return s.local_tokens * (kept * share.in_flight + rebuilt + full) + mask_bytes(s)
+    grad_buffers = 0.0 if s.compiled else full
+    return s.local_tokens * (kept * share.in_flight + rebuilt + grad_buffers) + mask_bytes(s)
 
 
 def mask_bytes(s: MemorySetup) -> float:
@@ -355,23 +396,36 @@ def fsdp_grad_bytes(counts: dict[str, int], s: MemorySetup) -> float:
 
 
 def estimate(s: MemorySetup, counts: dict[str, int] | None = None) -> MemoryEstimate:
-    """`counts` (param_counts of the same model) saves rebuilding the meta model per call."""
+    """The live bytes at the larger of two peaks, the start of backward (activations, the loss,
+    FSDP's buffers) and the optimizer step (every gradient, the step's temporaries), plus on
+    CUDA what the allocator keeps cached. `counts` (param_counts of the same model) saves
+    rebuilding the meta model per call."""
     counts = counts or param_counts(s.model_args, s.model_name)
     local = _local_params(counts, s)
-    frag = DEFAULT_CUDA_FRAGMENTATION if s.device == "cuda" else 1.0
     est = MemoryEstimate(num_params=counts["total"])
     on_device = 0 if s.cpu_offload else local  # offloaded shards live in host memory
-    est.rows["params (fp32, sharded)"] = on_device * 4
-    est.rows["grads (fp32, sharded)"] = on_device * 4
-    est.rows["AdamW states (2 x fp32)"] = on_device * 8
     fwd_bwd = fsdp_buffer_bytes(counts, s) + activation_bytes(s) + loss_bytes(s)
     optim_step = on_device * 4  # foreach temporaries
-    if fwd_bwd >= optim_step:
-        est.rows["unsharded weights / grads"] = fsdp_buffer_bytes(counts, s) * frag
-        est.rows[f"activations (AC {s.ac_mode})"] = activation_bytes(s) * frag
-        est.rows["logits / loss" + (" (chunked)" if s.chunk_tokens else "")] = loss_bytes(s) * frag
+    # train.py zeroes gradients with set_to_none, so a step's first backward starts with no
+    # sharded gradient; they appear block by block as its activations go. A later microbatch
+    # of gradient accumulation starts with all of them.
+    grads_at_backward = on_device * 4 if s.accumulation > 1 else 0.0
+    est.rows["params (fp32, sharded)"] = on_device * 4
+    if grads_at_backward + fwd_bwd >= on_device * 4 + optim_step:
+        est.peak = "start of backward"
+        est.rows["grads (fp32, sharded)"] = grads_at_backward
+        est.rows["AdamW states (2 x fp32)"] = on_device * 8
+        est.rows["unsharded weights / grads"] = fsdp_buffer_bytes(counts, s)
+        est.rows[f"activations (AC {s.ac_mode})"] = activation_bytes(s)
+        est.rows["logits / loss" + (" (chunked)" if s.chunk_tokens else "")] = loss_bytes(s)
     else:
-        est.rows["optimizer-step temporaries"] = optim_step * frag
+        est.peak = "optimizer step"
+        est.rows["grads (fp32, sharded)"] = on_device * 4
+        est.rows["AdamW states (2 x fp32)"] = on_device * 8
+        est.rows["optimizer-step temporaries"] = optim_step
+    if s.device == "cuda":
+        other = min(grads_at_backward + fwd_bwd, on_device * 4 + optim_step)
+        est.rows["allocator cache (freed, kept)"] = CUDA_CACHED_FRACTION * other
     return est
 
 

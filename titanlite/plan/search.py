@@ -66,10 +66,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def memory_gib(model: Model, lo: Layout, device: str = "cuda") -> float:
+def memory_gib(model: Model, lo: Layout, device: str = "cuda", **run) -> float:
     """The estimator's peak of the fullest pipeline rank (the first holds the most microbatches
-    in flight, the last the loss)."""
-    setup = memory_setup(model.args, model.name, model.shape.seq_len, lo, device)
+    in flight, the last the loss); `run` as memory_setup takes it."""
+    setup = memory_setup(model.args, model.name, model.shape.seq_len, lo, device, **run)
     ranks = {0, lo.pp - 1}
     return max(estimate(replace(setup, pp_rank=r), model.counts).total for r in ranks) / GIB
 

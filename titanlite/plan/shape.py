@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from titanlite.build import model_args_for_vocab
+from titanlite.config import ConfigError
 from titanlite.float8 import float8_enabled
 from titanlite.memory_estimate import MemorySetup, param_counts
 from titanlite.models import get_family
@@ -84,7 +85,8 @@ def memory_setup(model_args, model_name: str, seq_len: int, lo: Layout, device: 
     return MemorySetup(
         model_args=model_args, model_name=model_name, local_batch_size=lo.local_batch_size,
         seq_len=seq_len, dp_replicate=lo.dp_replicate, dp_shard=lo.dp_shard, tp=lo.tp, cp=lo.cp,
-        ac_mode=ac_mode, chunk_tokens=lo.chunk_tokens, pp=lo.pp, device=device, **run,
+        ac_mode=ac_mode, chunk_tokens=lo.chunk_tokens, pp=lo.pp, device=device,
+        compiled=lo.compile, accumulation=lo.accumulation, **run,
     )  # fmt: skip
 
 
@@ -98,12 +100,22 @@ def setup_from_config(
     p, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
     pd = ParallelDims.from_config(p, world_size)
     return memory_setup(
-        model_args, cfg.model.name, t.seq_len, _layout(cfg, pd), device,
+        model_args, cfg.model.name, t.seq_len, _layout(cfg, pd, _accumulation(t, pd)), device,
         selective_ac_option=ac.selective_ac_option,
         param_dtype=_compute_dtype_name(t.mixed_precision_param, device),
         loss_parallel=pd.loss_parallel(p), reshard_after_forward=p.fsdp_reshard_after_forward,
         cpu_offload=t.enable_cpu_offload, pp_rank=rank // (world_size // pd.pp), pp_options=p,
     )  # fmt: skip
+
+
+def _accumulation(training, pd: ParallelDims) -> int:
+    """Microbatches per step; 1 where the global batch does not divide (training says so)."""
+    from titanlite.checks import resolve_global_batch
+
+    try:
+        return resolve_global_batch(training, pd.dp_degree)[1]
+    except ConfigError:
+        return 1
 
 
 def _compute_dtype_name(choice: str, device: str) -> str:
