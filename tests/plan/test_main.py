@@ -70,7 +70,7 @@ def test_calibrated_constants_are_used_by_the_next_plan(capsys, tmp_path, monkey
     runs = [str(p) for p in sorted(H200_RUNS.glob("cal_1B*"))]
     rc, out, _ = plan(capsys, "--device", "h200", "--vocab_size", "100352", "--calibrate", *runs)
     assert rc == 0 and f"saved to {tmp_path / 'h200.json'}" in out
-    assert out.count("%") == len(runs)  # one error column per run
+    assert out.count("%") == 2 * len(runs)  # two error columns per run: tokens/s, memory
     rc, out, _ = plan(capsys, *DEBUG, "--gpus", "2", "--device", "h200", "--check", "0")
     assert rc == 0 and f"constants: fitted on {len(runs)} runs" in out
 
@@ -104,7 +104,10 @@ def test_compare_prints_measured_beside_predicted_without_fitting(capsys, tmp_pa
     monkeypatch.setenv("TITANLITE_PLAN_DIR", str(tmp_path))
     runs = sorted(str(p) for p in H200_RUNS.glob("b_*"))
     rc, out, _ = plan(capsys, "--device", "h200", "--vocab_size", "100352", "--compare", *runs)
-    assert rc == 0 and out.count("%") == len(runs) == 5
+    rows = [line.split() for line in out.splitlines() if "b_" in line]
+    assert rc == 0 and len(rows) == len(runs) == 5
+    # tokens/s and peak reserved GiB, each measured, predicted and the error
+    assert all(len(row) == 7 and row[3].endswith("%") and row[6].endswith("%") for row in rows)
     assert "b_8B6L_4k_b2_sac" in out and not list(tmp_path.iterdir())  # nothing saved
 
 

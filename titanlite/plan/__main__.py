@@ -193,11 +193,16 @@ def read_runs(folders: list[str], args) -> list:
 
 
 def print_runs(runs: list, device, constants) -> None:
-    print(f"{'run':<40}{'measured':>10}{'predicted':>11}{'error':>8}")
+    """Each run's measured tokens/s and peak reserved memory beside the planner's figures."""
+    print(f"{'run':<40}{'tok/s':>10}{'predicted':>11}{'error':>8}"
+          f"{'GiB':>8}{'estimated':>11}{'error':>8}")  # fmt: skip
     for r in runs:
         pred = calibrate.predicted_tps(r, device, constants)
+        mem = memory_gib(r.model, r.layout)
+        measured = f"{r.memory_gib:>8.1f}{mem:>11.1f}{100 * (mem / r.memory_gib - 1):>7.1f}%" \
+            if r.memory_gib else f"{'-':>8}{mem:>11.1f}{'-':>8}"  # fmt: skip
         print(f"{r.folder:<40}{r.tokens_per_s:>10,.0f}{pred:>11,.0f}"
-              f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%")  # fmt: skip
+              f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%{measured}")  # fmt: skip
 
 
 def run_calibrate(args, device, path) -> int:
