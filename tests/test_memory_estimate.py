@@ -146,7 +146,7 @@ def test_compiled_blocks_save_less_and_free_as_their_backward_goes():
 SAVED_BY = {"none": "inductor", "op": "partition", "op_alternate": "partition"}
 
 
-@pytest.mark.slow  # inductor's C++ build of one block, ~20 s of CPU
+@pytest.mark.slow  # inductor's C++ build of one block's forward, ~25 s of CPU uncached
 @pytest.mark.parametrize("option", list(SAVED_BY))
 def test_compiled_block_saves_what_the_estimate_counts(option, monkeypatch):
     """A compiled block (GQA: 4 query over 2 kv heads) saves, per token, the bf16 elements
@@ -189,7 +189,7 @@ def test_compiled_block_saves_what_the_estimate_counts(option, monkeypatch):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        holder.layers["0"](x, rope).sum().backward()
+        holder.layers["0"](x, rope)  # the forward saves them; its backward need not compile
     s = setup(model_args=args, compiled=True, selective_ac_option=option, seq_len=16)
     full, sac, ckpt = block_activation_elems(s)
     assert sum(saved.values()) == 16 * (full if option == "none" else sac - ckpt)
