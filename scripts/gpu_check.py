@@ -240,7 +240,7 @@ def scale_stage(m: Machine) -> list:
             "s_70B2L_8k_sac_chunk",
             (*shape("70B_2L", 8192), *SAC, "--optimizer.lr", "1e-4"),
             estimate=True,
-        ),  # fmt: skip
+        ),
     ]
 
 

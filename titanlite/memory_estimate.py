@@ -400,31 +400,32 @@ def estimate(s: MemorySetup, counts: dict[str, int] | None = None) -> MemoryEsti
     CUDA what the allocator keeps cached. `counts` (param_counts of the same model) saves
     rebuilding the meta model per call."""
     counts = counts or param_counts(s.model_args, s.model_name)
-    local = _local_params(counts, s)
     est = MemoryEstimate(num_params=counts["total"])
-    on_device = 0 if s.cpu_offload else local  # offloaded shards live in host memory
-    fwd_bwd = fsdp_buffer_bytes(counts, s) + activation_bytes(s) + loss_bytes(s)
-    optim_step = on_device * 4  # foreach temporaries
+    on_device = 0 if s.cpu_offload else _local_params(counts, s)  # offloaded: in host memory
+    working = {
+        "unsharded weights / grads": fsdp_buffer_bytes(counts, s),
+        f"activations (AC {s.ac_mode})": activation_bytes(s),
+        "logits / loss" + (" (chunked)" if s.chunk_tokens else ""): loss_bytes(s),
+    }
     # train.py zeroes gradients with set_to_none, so a step's first backward starts with no
     # sharded gradient; they appear block by block as its activations go. A later microbatch
     # of gradient accumulation starts with all of them.
     grads_at_backward = on_device * 4 if s.accumulation > 1 else 0.0
+    backward = grads_at_backward + sum(working.values())
+    optimizer = on_device * 4 + on_device * 4  # every gradient + the foreach temporaries
     est.rows["params (fp32, sharded)"] = on_device * 4
-    if grads_at_backward + fwd_bwd >= on_device * 4 + optim_step:
+    if backward >= optimizer:
         est.peak = "start of backward"
         est.rows["grads (fp32, sharded)"] = grads_at_backward
         est.rows["AdamW states (2 x fp32)"] = on_device * 8
-        est.rows["unsharded weights / grads"] = fsdp_buffer_bytes(counts, s)
-        est.rows[f"activations (AC {s.ac_mode})"] = activation_bytes(s)
-        est.rows["logits / loss" + (" (chunked)" if s.chunk_tokens else "")] = loss_bytes(s)
+        est.rows.update(working)
     else:
         est.peak = "optimizer step"
         est.rows["grads (fp32, sharded)"] = on_device * 4
         est.rows["AdamW states (2 x fp32)"] = on_device * 8
-        est.rows["optimizer-step temporaries"] = optim_step
+        est.rows["optimizer-step temporaries"] = on_device * 4
     if s.device == "cuda":
-        other = min(grads_at_backward + fwd_bwd, on_device * 4 + optim_step)
-        est.rows["allocator cache (freed, kept)"] = CUDA_CACHED_FRACTION * other
+        est.rows["allocator cache (freed, kept)"] = CUDA_CACHED_FRACTION * min(backward, optimizer)
     return est
 
 

@@ -199,10 +199,11 @@ def print_runs(runs: list, device, constants) -> None:
     for r in runs:
         pred = calibrate.predicted_tps(r, device, constants)
         mem = memory_gib(r.model, r.layout)
-        measured = f"{r.memory_gib:>8.1f}{mem:>11.1f}{100 * (mem / r.memory_gib - 1):>7.1f}%" \
-            if r.memory_gib else f"{'-':>8}{mem:>11.1f}{'-':>8}"  # fmt: skip
+        error = f"{100 * (mem / r.memory_gib - 1):>7.1f}%" if r.memory_gib else f"{'-':>8}"
+        measured = f"{r.memory_gib:>8.1f}" if r.memory_gib else f"{'-':>8}"
         print(f"{r.folder:<40}{r.tokens_per_s:>10,.0f}{pred:>11,.0f}"
-              f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%{measured}")  # fmt: skip
+              f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%"
+              f"{measured}{mem:>11.1f}{error}")  # fmt: skip
 
 
 def run_calibrate(args, device, path) -> int:
