@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, load_dcp_model, read_jsonl, run_train, torchrun_script
+from conftest import TINY_TRAIN, load_dcp_model, read_jsonl, torchrun_script, train_many
 from safetensors.torch import load_file, save_file
 
 import train
@@ -57,7 +57,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     from_hf0 = [*ONE_STEP, *LAST_IN_HF, *FROM_HF0, str(root / "hf0")]
     assert train.main([*from_hf0, "--job.dump_folder", str(root / "hf1")]) == 0
     bf16 = ["--checkpoint.export_dtype", "bfloat16"]
-    run_train([*from_hf0, *bf16, "--job.dump_folder", str(root / "hf2")], nproc=2)
+    train_many([[*from_hf0, *bf16, "--job.dump_folder", str(root / "hf2")]], nproc=2)
     return {name: root / name for name in ("hf0", "ref", "hf1", "hf2")}
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_TRAIN, assert_nested_equal, read_jsonl, run_train, train_many
+from conftest import REPO, TINY_TRAIN, assert_nested_equal, read_jsonl, train_many
 from integration.parity import PP_WHOLE_BATCH, one_microbatch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -51,7 +51,7 @@ LAYOUTS = {
 
 def train(out: Path, layout: str, *extra: str):
     nproc, args = LAYOUTS[layout]
-    return run_train([*TINY, *args, *extra, "--job.dump_folder", str(out)], nproc=nproc)
+    return train_many([[*TINY, *args, *extra, "--job.dump_folder", str(out)]], nproc=nproc)
 
 
 def resume(ref: Path, out: Path, layout: str, *extra: str):

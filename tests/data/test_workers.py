@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, read_jsonl, run_train
+from conftest import TINY_TRAIN, read_jsonl, train_many
 
 from titanlite.config import DataLoader, Training
 
@@ -141,7 +141,7 @@ def test_train_with_workers_gives_the_losses_without(tmp_path):
     for workers in (0, 2):
         out = tmp_path / f"w{workers}"
         args = [*TINY_TRAIN, "--training.steps", "3", "--job.dump_folder", str(out)]
-        proc = run_train([*args, "--training.dataloader.num_workers", str(workers)], nproc=2)
+        proc = train_many([[*args, "--training.dataloader.num_workers", str(workers)]], nproc=2)
         log = proc.stdout + proc.stderr
         assert ("training batches from 2 worker processes" in log) == (workers == 2), log[-3000:]
         losses[workers] = [m["loss"] for m in read_jsonl(out / "metrics.jsonl")]

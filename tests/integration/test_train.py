@@ -122,12 +122,11 @@ def test_wandb_run_holds_what_metrics_jsonl_holds(tmp_path, wandb_offline):
     assert run.exit_code == 0
 
 
-def test_validation_runs_at_its_own_frequency_not_only_on_log_steps(tmp_path, train_runner):
+def test_validation_runs_at_its_own_frequency_not_only_on_log_steps(tmp_path):
     args = [*TINY_TRAIN, "--job.dump_folder", str(tmp_path), "--training.global_batch_size", "2"]
     args += ["--training.steps", "100", "--metrics.log_freq", "10"]
-    train_runner(
-        [*args, "--validation.enable", "--validation.freq", "25", "--validation.steps", "1"]
-    )
+    assert train.main([*args, "--validation.enable", "--validation.freq", "25",
+                       "--validation.steps", "1"]) == 0  # fmt: skip
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows if r.get("val_loss") is not None] == [25, 50, 75, 100]
     assert [r["step"] for r in rows if r["loss"] is not None] == [1, *range(10, 101, 10)]

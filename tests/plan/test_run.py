@@ -4,8 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_TRAIN, run_train
 
-from tests.conftest import TINY_TRAIN, run_train
+import train
 from titanlite.config import ConfigError
 from titanlite.config_parse import parse_args
 from titanlite.plan import calibrate
@@ -57,17 +58,19 @@ def test_prediction_on_a_cpu_is_memory_alone_and_on_a_named_gpu_also_the_step():
 
 
 @pytest.mark.slow
-def test_an_elastic_restart_replans_and_its_runs_calibrate(tmp_path):
-    """plan auto on 2 ranks, then a resume on 1: each run plans for its own world, saves the
-    layout in config.toml and logs its prediction, which --calibrate reads back."""
+def test_an_elastic_restart_replans_and_its_runs_calibrate(tmp_path, capsys):
+    """plan auto on 2 ranks under torchrun, then a resume on 1 (plain train.main): each run
+    plans for its own world, saves the layout in config.toml and logs its prediction, which
+    --calibrate reads back."""
     auto = [*TINY_TRAIN, "--parallelism.plan", "auto", "--parallelism.plan_device", "h100-sxm",
             "--training.global_batch_size", "8", "--checkpoint.enable",
             "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]  # fmt: skip
     two = run_train([*auto, "--training.steps", "2"], nproc=2)
     assert "plan auto:" in two.stdout
     assert layout_of(parse_args(["--job.config_file", str(tmp_path / "config.toml")]), 2).world == 2
-    one = run_train([*auto, "--training.steps", "8"], nproc=1)
-    assert "plan auto:" in one.stdout and "step-2" in one.stdout.split("Loaded model")[1]
+    assert train.main([*auto, "--training.steps", "8"]) == 0
+    one = capsys.readouterr().out
+    assert "plan auto:" in one and "step-2" in one.split("Loaded model")[1]
     saved = parse_args(["--job.config_file", str(tmp_path / "config.toml")])
     assert layout_of(saved, 1).world == 1 and layout_of(saved, 1).global_batch == 8
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

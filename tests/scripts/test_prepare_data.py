@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY_TRAIN, Terminal, read_jsonl, run_train
+from conftest import REPO, TINY_TRAIN, Terminal, read_jsonl
 
+import train
 from titanlite.config_parse import parse_args
 from titanlite.data.sources import build_source
 from titanlite.data.tokenizer import build_tokenizer
@@ -155,11 +156,11 @@ def data_corpus_dir(tmp_path):
 
 @pytest.mark.slow
 def test_train_from_a_prepared_dir(data_corpus_dir, tmp_path):
-    run_train([
+    assert train.main([
         *TINY_TRAIN, "--training.steps", "2", "--training.dataset_path", str(data_corpus_dir),
         "--training.data_cache_dir", str(tmp_path / "cache"),
         "--job.dump_folder", str(tmp_path / "out"),
-    ])  # fmt: skip
+    ]) == 0  # fmt: skip
     assert [r["step"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl")][-1] == 2
     assert not (tmp_path / "cache").exists()  # nothing tokenized at run time
 
