@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.host import GarbageCollection, cpus_per_local_rank
+from titanlite.host import GarbageCollection, cpus_per_local_rank, memory_per_local_rank
 
 WORKER = Path(__file__).with_name("pinned_cpus.py")
 
@@ -30,6 +30,28 @@ def test_cpus_follow_affinity_shared_by_local_ranks(local_ranks, expected):
 def test_at_least_one(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")
     assert cpus_per_local_rank() == 1
+
+
+@pytest.mark.parametrize("limit, local_ranks, expected_gib", [
+    ("max", None, 8), ("max", "2", 4), (str(6 << 30), "2", 2), (str(16 << 30), None, 8),
+])  # fmt: skip
+def test_memory_is_what_is_available_under_the_cgroup_limit_shared_by_local_ranks(
+    tmp_path, monkeypatch, limit, local_ranks, expected_gib
+):
+    """8 GiB available on the host; the cgroup allows `limit` and 2 GiB of it are used."""
+    (tmp_path / "meminfo").write_text(f"MemTotal: {32 << 20} kB\nMemAvailable: {8 << 20} kB\n")
+    (tmp_path / "memory.max").write_text(limit + "\n")
+    (tmp_path / "memory.current").write_text(f"{2 << 30}\n")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    if local_ranks:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    assert memory_per_local_rank(tmp_path, tmp_path) == expected_gib << 30
+
+
+def test_memory_without_meminfo_is_unknown_and_without_a_cgroup_is_the_hosts(tmp_path):
+    assert memory_per_local_rank(tmp_path / "none", tmp_path) is None
+    (tmp_path / "meminfo").write_text(f"MemAvailable: {1 << 20} kB\n")
+    assert memory_per_local_rank(tmp_path, tmp_path / "none") == 1 << 30
 
 
 def test_garbage_collection_runs_every_freq_steps_and_automatic_collection_comes_back(

@@ -1,6 +1,8 @@
 """The planner inside a training run: --parallelism.plan auto, and the prediction every run logs."""
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -55,6 +57,28 @@ def test_prediction_on_a_cpu_is_memory_alone_and_on_a_named_gpu_also_the_step():
     assert cpu["predicted_memory_gib"] > 0 and cpu["predicted_step_s"] is None
     cfg.parallelism.plan_device = "h200"
     assert prediction(cfg, 1, args, torch.device("cpu"))["predicted_step_s"] > 0
+
+
+@pytest.mark.parametrize("memory_gib, warns", [(1e-3, True), (1e3, False), (None, False)])
+def test_a_run_predicted_not_to_fit_is_warned_before_anything_is_built(
+    monkeypatch, caplog, memory_gib, warns
+):
+    """The tiny run against a host with memory_gib available to this rank (None: not known)."""
+    from titanlite.build import model_args_for_vocab
+
+    memory = None if memory_gib is None else int(memory_gib * 2**30)
+    monkeypatch.setattr("titanlite.plan.run.memory_per_local_rank", lambda: memory)
+    cfg = parse_args(TINY_TRAIN)
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        prediction(cfg, 1, model_args_for_vocab(cfg, 512), torch.device("cpu"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == int(warns), warnings
+    if warns:
+        said = (r"predicted peak 0\.1 GiB per rank \(largest: AdamW states .* GiB, params .* "
+                r"GiB\) is more than the host memory available to this rank, 0\.0 GiB: the run "
+                r"will likely run out of memory")  # fmt: skip
+        assert re.match(said, warnings[0])
+        assert "--loss.chunk_tokens" in warnings[0] and "--training.local_batch_size" in warnings[0]
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ import torch
 from titanlite.config import ConfigError
 from titanlite.config_parse import apply_options
 from titanlite.float8 import float8_enabled
-from titanlite.memory_estimate import GIB, estimate
+from titanlite.host import memory_per_local_rank
+from titanlite.memory_estimate import GIB, MemoryEstimate, estimate
 from titanlite.plan import calibrate
 from titanlite.plan.devices import DEVICES, device_named, get_device
 from titanlite.plan.perf import predict
@@ -59,7 +60,8 @@ def prediction(cfg, world_size: int, model_args, device: torch.device) -> dict:
     """What the planner predicts for this run, as metrics of its first logged step: peak memory
     (the estimator, on this device type) and, on a GPU of the device table, the step time."""
     setup = setup_from_config(cfg, world_size, model_args, device.type)
-    memory = estimate(setup).total / GIB
+    peak = estimate(setup)
+    memory = peak.total / GIB
     out = {"world_size": world_size, "vocab_size": model_args.vocab_size,
            "predicted_memory_gib": memory, "predicted_step_s": None}  # fmt: skip
     kind, step = gpu_kind(cfg, device), ""
@@ -71,4 +73,30 @@ def prediction(cfg, world_size: int, model_args, device: torch.device) -> dict:
         out["predicted_step_s"] = p.step_s
         step = f", step {p.step_s:.3f} s on {kind}"
     logger.info("predicted: peak %.2f GiB per rank%s", memory, step)
+    warn_if_it_will_not_fit(peak, device)
     return out
+
+
+def warn_if_it_will_not_fit(peak: MemoryEstimate, device: torch.device) -> None:
+    """A warning, before anything is built, for a run whose estimated peak is more than this
+    rank's memory: on a CPU the kernel kills such a run without a word of why, and on a GPU the
+    out-of-memory error may come only after minutes of start-up and compile. A warning, not an
+    error: the estimate is not exact, and swap or a spare margin may still carry the run."""
+    if device.type == "cuda":
+        capacity, what = torch.cuda.get_device_properties(device).total_memory, "this GPU's"
+    elif device.type == "cpu":
+        capacity, what = memory_per_local_rank(), "the host memory available to this rank,"
+    else:
+        return
+    if capacity is None or peak.total <= capacity:
+        return
+    largest = sorted(peak.rows.items(), key=lambda row: -row[1])[:2]
+    parts = ", ".join(f"{name} {size / GIB:.1f} GiB" for name, size in largest)
+    logger.warning(
+        f"predicted peak {peak.total / GIB:.1f} GiB per rank (largest: {parts}) is more than "
+        f"{what} {capacity / GIB:.1f} GiB: the run will likely run out of memory. To fit: lower "
+        "--training.local_batch_size (a set --training.global_batch_size is kept by accumulating "
+        "microbatches) or --training.seq_len, set --loss.chunk_tokens 2048 (the logits) or "
+        "--activation_checkpoint.mode full (the activations), or shard over more ranks "
+        "(scripts/estimate_memory.py shows what each option saves)"
+    )
