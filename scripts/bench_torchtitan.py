@@ -11,8 +11,8 @@ activation checkpointing, and torchtitan's debug recipe in both: AdamW lr 8e-4, 
 the last 80% of steps, seed 42, unshuffled data, document-causal attention (titanlite's
 `model.document_masking`; torchtitan also restarts RoPE positions at each document, titanlite
 does not: no cost either way), scaled RoPE theta 500000, fp32 gradient reduction. Each keeps
-its own kernels' choices (torchtitan: fused AdamW, chunked loss; titanlite: foreach AdamW,
-the loss unchunked at this size). Configs:
+its own kernels' choices (torchtitan: fused AdamW, chunked loss; titanlite: fused AdamW,
+foreach before ab00108, the loss unchunked at this size). Configs:
 
     dp1_fp32, dp1_bf16      one process, 2 threads (on one rank torchtitan always wraps the model
                             in a 1-rank FSDP for its precision policy; titanlite does for bf16)
