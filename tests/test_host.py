@@ -32,16 +32,23 @@ def test_at_least_one(monkeypatch):
     assert cpus_per_local_rank() == 1
 
 
-@pytest.mark.parametrize("limit, local_ranks, expected_gib", [
-    ("max", None, 8), ("max", "2", 4), (str(6 << 30), "2", 2), (str(16 << 30), None, 8),
+@pytest.mark.parametrize("job_limit, step_limit, local_ranks, expected_gib", [
+    ("max", "max", None, 8), ("max", "max", "2", 4), (str(7 << 30), "max", "2", 3),
+    (str(16 << 30), "max", None, 8), ("max", str(3 << 30), None, 2),
+    (str(4 << 30), str(9 << 30), None, 3),
 ])  # fmt: skip
-def test_memory_is_what_is_available_under_the_cgroup_limit_shared_by_local_ranks(
-    tmp_path, monkeypatch, limit, local_ranks, expected_gib
+def test_memory_is_the_least_room_of_host_and_cgroups_shared_by_local_ranks(
+    tmp_path, monkeypatch, job_limit, step_limit, local_ranks, expected_gib
 ):
-    """8 GiB available on the host; the cgroup allows `limit` and 2 GiB of it are used."""
+    """8 GiB available on the host; this process in cgroup job/step, which use 1 GiB and 1 GiB
+    of the limits given (as SLURM nests a job's tasks under the group it limits)."""
     (tmp_path / "meminfo").write_text(f"MemTotal: {32 << 20} kB\nMemAvailable: {8 << 20} kB\n")
-    (tmp_path / "memory.max").write_text(limit + "\n")
-    (tmp_path / "memory.current").write_text(f"{2 << 30}\n")
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "cgroup").write_text("0::/job/step\n")
+    for folder, limit in ((tmp_path / "job", job_limit), (tmp_path / "job" / "step", step_limit)):
+        folder.mkdir(parents=True)
+        (folder / "memory.max").write_text(limit + "\n")
+        (folder / "memory.current").write_text(f"{1 << 30}\n")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     if local_ranks:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
@@ -51,7 +58,7 @@ def test_memory_is_what_is_available_under_the_cgroup_limit_shared_by_local_rank
 def test_memory_without_meminfo_is_unknown_and_without_a_cgroup_is_the_hosts(tmp_path):
     assert memory_per_local_rank(tmp_path / "none", tmp_path) is None
     (tmp_path / "meminfo").write_text(f"MemAvailable: {1 << 20} kB\n")
-    assert memory_per_local_rank(tmp_path, tmp_path / "none") == 1 << 30
+    assert memory_per_local_rank(tmp_path, tmp_path) == 1 << 30
 
 
 def test_garbage_collection_runs_every_freq_steps_and_automatic_collection_comes_back(
