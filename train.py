@@ -391,12 +391,18 @@ class Trainer:
         self.loader.close()
 
 
+def say_error(e: Exception):
+    """One line on stderr for a user mistake, in one write: under torchrun every rank shares
+    the pipe, and print()'s separate write of the newline lets two ranks' lines run together."""
+    sys.stderr.write(f"titanlite: error: {e}\n")
+
+
 def main(argv=None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
         check_single_process(cfg)
     except ConfigError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr)
+        say_error(e)
         return 2
     if cfg.comm.mode == "fake_backend" or cfg.checkpoint.create_seed_checkpoint:
         init_logger(0, 0)
@@ -404,7 +410,7 @@ def main(argv=None) -> int:
         try:
             return job(cfg)
         except ConfigError as e:
-            print(f"titanlite: error: {e}", file=sys.stderr)
+            say_error(e)
             return 2
     default_expandable_segments(os.environ, torch.cuda.is_available())
     dist_env = init_distributed(cfg.training.enable_cpu_offload, cfg.comm.init_timeout_seconds)
@@ -421,7 +427,7 @@ def main(argv=None) -> int:
         # traceback wall, from every rank that met it. Not from rank 0 alone: a mistake may be
         # one node's (a file only its disk lacks), and where all ranks meet it torchrun stops
         # the rest as soon as the first exits, maybe before rank 0 has written its line.
-        print(f"titanlite: error: {e}", file=sys.stderr)
+        say_error(e)
         destroy(barrier=False)
         return 2
     if rank == 0:
@@ -444,7 +450,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         # Bad data that a rank met while training (its share of a stream): said by the ranks
         # that read it; the others wait in a collective until torchrun stops them.
-        print(f"titanlite: error: {e}", file=sys.stderr)
+        say_error(e)
         destroy(barrier=False)
         return 2
     # Only on exits every rank takes together: teardown has barriers that a crashed peer would

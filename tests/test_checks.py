@@ -64,6 +64,18 @@ def test_wandb_without_the_package_is_one_line_before_anything_is_built(monkeypa
     parse_args(["--no-metrics.enable_wandb"])  # off, the package is not needed
 
 
+def test_the_error_line_is_one_write_so_ranks_sharing_a_pipe_do_not_run_together(monkeypatch):
+    """Under torchrun all ranks write to one stderr pipe, unbuffered: a line written in two
+    parts (text, then newline) let two ranks' lines join into one in CI."""
+    import train
+
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Pipe", (), {"write": lambda _, s: writes.append(s)})())
+    assert train.main(["--training.stepz", "3"]) == 2
+    assert len(writes) == 1 and writes[0].startswith("titanlite: error: "), writes
+    assert writes[0].endswith("\n") and writes[0].count("\n") == 1, writes
+
+
 @pytest.mark.parametrize(
     "local, global_, dp, expected",
     [(4, -1, 2, (8, 1)), (2, 16, 2, (16, 4)), (8, 8, 1, (8, 1))],
