@@ -29,8 +29,10 @@ def small_disk(tmp_path):
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(small_disk, tmp_path, capsys,
                                                                  async_mode):  # fmt: skip
-    args = [*TINY_TRAIN, "--training.steps", "6", "--checkpoint.enable"]
-    args += ["--checkpoint.interval", "2", "--checkpoint.async_mode", async_mode]
+    # All 6 blocks (the tiny run has 4): one checkpoint of ~64 MiB fits the 100 MiB, two do not.
+    args = [*TINY_TRAIN, "--model.flavor", "debugmodel", "--training.steps", "6"]
+    args += ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    args += ["--checkpoint.async_mode", async_mode]
     args += ["--job.dump_folder", str(small_disk)]
     assert train.main(args) == 5
     log = capsys.readouterr().out

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # every test here runs train.py or torchrun
 
 ONE_STEP = [*TINY_TRAIN, "--training.steps", "1", "--checkpoint.enable"]
 FROM_HF0 = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"]
-FOUR_BLOCKS = ["--model.flavor", "debugmodel_4L"]
+TWO_BLOCKS = ["--model.flavor", "debugmodel_2L"]  # the tiny run has 4
 LAST_IN_HF = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
 
 
@@ -118,8 +118,8 @@ def test_bad_inputs_stop_before_training_with_one_line(runs, tmp_path, capsys):
         ([*FROM_HF0, str(heads)], "has 8 attention / 16 key-value heads, the model 16 / 16"),
         ([*FROM_HF0, str(short)], "output.weight: saved (512, 256), model (640, 256)"),
         # Every weight a smaller flavor asks for is there: the extra blocks must be named.
-        ([*FROM_HF0, str(hf0), *FOUR_BLOCKS], "holds 6 blocks, the model 4 (wrong flavor?)"),
-        (["--checkpoint.initial_load_path", str(dcp_dir), *FOUR_BLOCKS], "holds 6 blocks"),
+        ([*FROM_HF0, str(hf0), *TWO_BLOCKS], "holds 4 blocks, the model 2 (wrong flavor?)"),
+        (["--checkpoint.initial_load_path", str(dcp_dir), *TWO_BLOCKS], "holds 4 blocks"),
     ]
     for args, msg in cases:
         argv = [*ONE_STEP, *args, "--job.dump_folder", str(tmp_path / "run")]

@@ -4,7 +4,7 @@ process, and one launch per world size for a set of runs."""
 import sys
 from pathlib import Path
 
-from conftest import REPO, TINY_TRAIN, read_jsonl, train_many
+from conftest import REPO, TINY_FLAVOR, TINY_TRAIN, read_jsonl, train_many
 
 sys.path.insert(0, str(REPO / "scripts"))
 # Documents of 3-20 tokens: every 32-token row packs several, and the loss falls fast.
@@ -31,12 +31,13 @@ def one_microbatch(dp: int) -> list[str]:
 PP_WHOLE_BATCH = [*one_microbatch(1), "--parallelism.pipeline_parallel_microbatch_size", "2"]
 
 
-def masked_runs(folder: Path) -> tuple[list, list]:
-    """(document-masked, plain causal) args of 4-step runs on short documents (written to
-    `folder`): ragged documents cross every row, chunk and pipeline-microbatch border."""
+def masked_runs(folder: Path, flavor: str = TINY_FLAVOR) -> tuple[list, list]:
+    """(document-masked, plain causal) args of 4-step runs of `flavor` on short documents
+    (written to `folder`): ragged documents cross every row, chunk and pipeline-microbatch
+    border."""
     data = ["--training.dataset", "local", "--training.dataset_path", str(short_docs(folder))]
-    causal = [*BASE, *data, "--training.steps", "4"]
-    return [*causal, "--model.flavor", "debugmodel_flex_attn"], causal
+    causal = [*BASE, *data, "--training.steps", "4", "--model.flavor", flavor]
+    return [*causal, "--model.flavor", f"{flavor}_flex_attn"], causal
 
 
 def curves(dump):

@@ -30,7 +30,8 @@ def model_state(step_dir, tmp_path):
 
 @pytest.mark.parametrize("action, nproc", [("skip", 2), ("report", 1)])
 def test_a_corrupt_batch_is_reported_and_skipped_on_every_rank(tmp_path, action, nproc):
-    args = [*masked_runs(tmp_path)[1], "--training.steps", "7", *GUARD]
+    # All 6 blocks: with the tiny run's 4 the junk batch's loss was not twice step 4's (7.0, 4.2).
+    args = [*masked_runs(tmp_path, "debugmodel")[1], "--training.steps", "7", *GUARD]
     args += ["--training.on_loss_spike", action, "--checkpoint.enable"]
     args += ["--checkpoint.interval", "6", "--job.dump_folder", str(tmp_path / "run")]
     proc = torchrun_script(REPO / "scripts" / "fault_inject.py", "junk", "7", *args,

@@ -20,6 +20,8 @@ from integration.parity import (
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
+# All 6 blocks of the debug model (the tiny run has 4), so that stages split unevenly.
+SIX_LAYERS = [*BASE, "--model.flavor", "debugmodel"]
 FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 stages, 4 microbatches
 # Stands for the schedule file the fixture writes: torch's Interleaved1F1B order for PP 2, four
 # stages (layers_per_stage 2: the split Interleaved1F1B gets) and four microbatches, run by
@@ -73,9 +75,9 @@ def runs(tmp_path_factory):
     """The one-process reference and every layout, by name -> dump folder."""
     out = tmp_path_factory.mktemp("runs")
     csv = str(write_torch_schedule(out / "schedule.csv", "Interleaved1F1B", 2, 4, 4))
-    masked = [*masked_runs(out)[0], *VALIDATION]
-    jobs = {"reference": (1, BASE), "mask_one": (1, masked)}
-    jobs |= {name: (n, [*BASE, *(csv if a == SCHEDULE_FILE else a for a in args)])
+    masked = [*masked_runs(out, "debugmodel")[0], *VALIDATION]
+    jobs = {"reference": (1, SIX_LAYERS), "mask_one": (1, masked)}
+    jobs |= {name: (n, [*SIX_LAYERS, *(csv if a == SCHEDULE_FILE else a for a in args)])
              for name, (n, args, _) in LAYOUTS.items()}  # fmt: skip
     jobs |= {name: (n, [*masked, *args]) for name, (n, args) in MASKED.items()}
     return launch(out, jobs)
