@@ -48,7 +48,8 @@ def offline_env(tmp_path_factory):
 # The debug model shrunk for seconds-long train.py runs: a global batch of 8 x 32 tokens, fp32,
 # a metrics line every step, 4 of its 6 blocks. Each block is its own FSDP unit with TP and CP
 # collectives of its own, so among 4 ranks on 2 cores the blocks are most of a step's time (6 ->
-# 4 measured 105 -> 84 CPU-s for two 4-rank runs); 4 still fills a pipeline of 4 stages.
+# 4 took test_resume.py and test_parallel_numerics.py from 576 to 426-440 CPU-s); 4 still fill
+# a pipeline of 4 stages.
 # Pipeline parity keeps all 6 (test_pipeline_numerics.py): splits of uneven stages.
 TINY_FLAVOR = "debugmodel_4L"
 TINY_TRAIN = [
