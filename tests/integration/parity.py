@@ -36,8 +36,8 @@ def masked_runs(folder: Path, flavor: str = TINY_FLAVOR) -> tuple[list, list]:
     (written to `folder`): ragged documents cross every row, chunk and pipeline-microbatch
     border."""
     data = ["--training.dataset", "local", "--training.dataset_path", str(short_docs(folder))]
-    causal = [*BASE, *data, "--training.steps", "4", "--model.flavor", flavor]
-    return [*causal, "--model.flavor", f"{flavor}_flex_attn"], causal
+    short = [*BASE, *data, "--training.steps", "4"]
+    return [*short, "--model.flavor", f"{flavor}_flex_attn"], [*short, "--model.flavor", flavor]
 
 
 def curves(dump):
