@@ -10,7 +10,15 @@ import titanlite.plan.search
 from titanlite.config_parse import parse_args
 from titanlite.plan.devices import get_device
 from titanlite.plan.perf import Constants, Layout
-from titanlite.plan.search import Choices, Cluster, flags, memory_gib, search, smallest_cluster
+from titanlite.plan.search import (
+    Choices,
+    Cluster,
+    flags,
+    memory_gib,
+    search,
+    smallest_cluster,
+    tied,
+)
 from titanlite.plan.shape import LLAMA3_VOCAB, layout_of, model_of
 from titanlite.progress import Progress
 
@@ -25,11 +33,22 @@ def model(flavor: str, seq_len: int = 8192, *extra: str):
 
 def test_8b_on_a_node_ranked_fastest_first_and_every_row_fits():
     plan = search(model("8B"), Cluster(8, 8, H100), 16, Constants())
-    speeds = [c.prediction.tokens_per_s_per_gpu for c in plan.fits]
+    speeds = [tied(c.prediction.tokens_per_s_per_gpu) for c in plan.fits]
     assert plan.fits and speeds == sorted(speeds, reverse=True)
     assert all(c.memory_gib <= H100.memory_gib - 3 for c in plan.fits)
     assert all(c.layout.world == 8 and c.layout.global_batch == 16 for c in plan.fits)
     assert plan.rejected["out of memory"] > 0  # no AC with the plain loss at 2 x 8192 does not fit
+
+
+def test_equally_fast_layouts_rank_the_fewest_microbatches_first():
+    # One GPU, no FSDP traffic: the model predicts every split of 8 rows alike, and each extra
+    # microbatch would only add the host time it does not count.
+    plan = search(model("1B", 2048), Cluster(1, 1, H100), 8, Constants())
+    best = tied(plan.fits[0].prediction.tokens_per_s_per_gpu)
+    alike = [c for c in plan.fits if tied(c.prediction.tokens_per_s_per_gpu) == best]
+    passes = [c.prediction.terms["microbatches"] for c in alike]
+    assert len(set(passes)) > 1 and passes == sorted(passes)
+    assert plan.fits[0].layout.local_batch_size == 8 and plan.fits[0].layout.accumulation == 1
 
 
 def test_rejections_name_their_reasons():
