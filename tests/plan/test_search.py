@@ -10,15 +10,7 @@ import titanlite.plan.search
 from titanlite.config_parse import parse_args
 from titanlite.plan.devices import get_device
 from titanlite.plan.perf import Constants, Layout
-from titanlite.plan.search import (
-    Choices,
-    Cluster,
-    flags,
-    memory_gib,
-    search,
-    smallest_cluster,
-    tied,
-)
+from titanlite.plan.search import Choices, Cluster, flags, memory_gib, search, smallest_cluster
 from titanlite.plan.shape import LLAMA3_VOCAB, layout_of, model_of
 from titanlite.progress import Progress
 
@@ -31,9 +23,14 @@ def model(flavor: str, seq_len: int = 8192, *extra: str):
     return model_of(cfg, LLAMA3_VOCAB, seq_len)
 
 
+def speed(c) -> float:
+    """A candidate's predicted tokens/s per GPU as the ranking compares them."""
+    return titanlite.plan.search.tied(c.prediction.tokens_per_s_per_gpu)
+
+
 def test_8b_on_a_node_ranked_fastest_first_and_every_row_fits():
     plan = search(model("8B"), Cluster(8, 8, H100), 16, Constants())
-    speeds = [tied(c.prediction.tokens_per_s_per_gpu) for c in plan.fits]
+    speeds = [speed(c) for c in plan.fits]
     assert plan.fits and speeds == sorted(speeds, reverse=True)
     assert all(c.memory_gib <= H100.memory_gib - 3 for c in plan.fits)
     assert all(c.layout.world == 8 and c.layout.global_batch == 16 for c in plan.fits)
@@ -44,8 +41,7 @@ def test_equally_fast_layouts_rank_the_fewest_microbatches_first():
     # One GPU, no FSDP traffic: the model predicts every split of 8 rows alike, and each extra
     # microbatch would only add the host time it does not count.
     plan = search(model("1B", 2048), Cluster(1, 1, H100), 8, Constants())
-    best = tied(plan.fits[0].prediction.tokens_per_s_per_gpu)
-    alike = [c for c in plan.fits if tied(c.prediction.tokens_per_s_per_gpu) == best]
+    alike = [c for c in plan.fits if speed(c) == speed(plan.fits[0])]
     passes = [c.prediction.terms["microbatches"] for c in alike]
     assert len(set(passes)) > 1 and passes == sorted(passes)
     assert plan.fits[0].layout.local_batch_size == 8 and plan.fits[0].layout.accumulation == 1

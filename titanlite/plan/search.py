@@ -122,8 +122,7 @@ def search(model: Model, cluster: Cluster, global_batch: int, c: Constants,
 
 
 def _rank(c: Candidate) -> tuple:
-    """Fastest first (to 9 figures: layouts that differ only in float rounding are equally
-    fast), then the fewest forward passes a step, then the least memory. The model leaves out
+    """Fastest first, then the fewest forward passes a step, then the least memory. The model leaves out
     what a microbatch costs the host (kernel launches, FSDP's hooks per block: milliseconds per
     block on a GPU), so splitting a batch where the model sees no gain only adds that cost."""
     return (-tied(c.prediction.tokens_per_s_per_gpu), c.prediction.terms["microbatches"],
@@ -131,6 +130,8 @@ def _rank(c: Candidate) -> tuple:
 
 
 def tied(tokens_per_s: float) -> float:
+    """A predicted speed to 9 figures: layouts the model sees alike can differ in the last bits
+    (the same terms summed in another order)."""
     return float(f"{tokens_per_s:.9g}")
 
 
