@@ -122,9 +122,9 @@ def search(model: Model, cluster: Cluster, global_batch: int, c: Constants,
 
 
 def _rank(c: Candidate) -> tuple:
-    """Fastest first, then the fewest forward passes a step, then the least memory. The model leaves out
-    what a microbatch costs the host (kernel launches, FSDP's hooks per block: milliseconds per
-    block on a GPU), so splitting a batch where the model sees no gain only adds that cost."""
+    """Fastest first, then the fewest forward passes a step, then the least memory. The model
+    leaves out what a microbatch costs the host (kernel launches, FSDP's hooks per block:
+    milliseconds per block on a GPU), so splitting a batch where it sees no gain only adds that."""
     return (-tied(c.prediction.tokens_per_s_per_gpu), c.prediction.terms["microbatches"],
             c.memory_gib)  # fmt: skip
 
