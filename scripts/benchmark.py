@@ -73,8 +73,8 @@ PRESETS: dict[str, list[tuple[str, int, list[str], str]]] = {
                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
         )
     ],
-    # Issue 16's features against the plain run, one process, fp32, at 256 and 2,048 tokens per
-    # row (the dense document mask grows with the square of it).
+    # Document masking and emulated float8 against the plain run, one process, fp32, at 256 and
+    # 2,048 tokens per row (the dense document mask grows with the square of it).
     "cpu_features": [
         (f"debug_fp32_{name}_seq{seq}", 1, [
             *DEBUG, "--training.mixed_precision_param", "float32", "--training.seq_len", str(seq),
