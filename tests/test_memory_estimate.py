@@ -74,8 +74,10 @@ def test_tp_splits_matmul_weights_not_norms():
 def test_tp_divides_activations_except_gathered_norm_outputs():
     tokens, dim, ffn = 32, 64, 256
     fp32 = dict(param_dtype="float32")
-    full_1 = 2 * dim + 2 * dim + 5 * dim + 4 * ffn  # per token, per block
-    full_2 = 2 * dim / 2 + 2 * dim + (5 * dim + 4 * ffn) / 2
+    # Per token and block: norm inputs and rstds; norm outputs (gathered under SP); q, k, v,
+    # SDPA's output and its 4 heads' logsumexp; the FFN's four.
+    full_1 = (2 * dim + 2) + 2 * dim + (4 * dim + 4 + 4 * ffn)
+    full_2 = (2 * dim + 2) / 2 + 2 * dim + (4 * dim + 4 + 4 * ffn) / 2
     # 2 blocks saved + 1 block of gradient buffers, fp32.
     assert activation_bytes(setup(**fp32)) == pytest.approx(tokens * 3 * full_1 * 4)
     assert activation_bytes(setup(tp=2, **fp32)) == pytest.approx(tokens * 3 * full_2 * 4)
@@ -86,7 +88,7 @@ def test_cp_splits_tokens_and_shards_params_over_dp_shard_x_cp():
     local token) saved by attention instead of repeated local ones, the late chunk's mask."""
     tokens, dim, ffn, kv = 32 // 2, 64, 256, 64
     fp32 = dict(param_dtype="float32")
-    full = 2 * dim + 2 * dim + 3 * dim + 2 * kv * 2 + 4 * ffn  # per local token, per block
+    full = (2 * dim + 2) + 2 * dim + 2 * dim + 2 * kv * 2 + 4 + 4 * ffn  # per local token
     mask = 16 // 4 * 16 * (1 + 4)  # [seq / (2 cp), seq] bools + fp32 bias
     assert activation_bytes(setup(cp=2, **fp32)) == pytest.approx(tokens * 3 * full * 4 + mask)
     rows = estimate(setup(cp=2, dp_shard=2)).rows
@@ -103,7 +105,10 @@ def test_gqa_kv_saved_as_kv_heads_unless_a_mask_repeats_them():
 
     def sdpa_kv(args, cp=1, device="cuda"):
         elems = block_activation_elems(setup(model_args=args, cp=cp, device=device))[0]
-        return elems - (9 if device == "cpu" else 7) * 64 - 4 * 256
+        # bf16: norm inputs (CPU: fp32 input and x * rstd) and fp32 rstds, norm outputs, q and
+        # SDPA's output, 4 heads' fp32 logsumexp, the FFN's four.
+        norms = (2 * 2 * 2 * 64 if device == "cpu" else 2 * 64) + 2 * 2
+        return elems - norms - 2 * 64 - 2 * 64 - 4 * 2 - 4 * 256
 
     assert sdpa_kv(gqa) == 2 * 32
     assert sdpa_kv(gqa, device="cpu") == 2 * 64
@@ -246,7 +251,7 @@ def test_activation_checkpointing_reduces_activations():
     assert full < sel < none
     assert full < every2 < none
     # Full AC, eager: 8 block inputs (dim each) + one rebuilt block + one block of grad buffers.
-    per_block = 2 * 64 + 2 * 64 + 5 * 64 + 4 * 256
+    per_block = (2 * 64 + 2) + 2 * 64 + (4 * 64 + 4 + 4 * 256)
     assert full32 == pytest.approx(32 * (8 * 64 + 2 * per_block) * 4)
 
 
@@ -384,6 +389,19 @@ def test_fsdp_grad_bytes_is_what_fsdp_holds_under_pp(dtype, tmp_path):
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3], proc.stdout
     for r in ranks:
         assert r["measured"] == r["estimated"], r
+
+
+@pytest.mark.slow  # launches the worker, on 2 ranks for TP
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_eager_block_saves_what_the_estimate_counts(tp):
+    """One eager block (GQA, 2 rows of 16 tokens) on this CPU, bf16 and fp32, plain and under
+    TP 2 with sequence parallel: the bytes autograd saves for its backward, read through
+    saved-tensor hooks, are the estimator's figure, to the byte (tests/block_saved_bytes.py)."""
+    proc = torchrun_script(REPO / "tests" / "block_saved_bytes.py", nproc=tp)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
+    assert len(rows) == 2 * tp, proc.stdout
+    for row in rows:
+        assert row["measured"] == row["estimated"], row
 
 
 def test_pp_estimates_every_stage_of_the_405b_config():

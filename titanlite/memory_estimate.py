@@ -35,15 +35,19 @@ error):
 - Without data parallelism FSDP still wraps the model when the compute dtype is not fp32 (its
   policy is the only mixed-precision mechanism), over a one-rank mesh: the same buffers as above.
 - Activations per block and token follow this repo's model.py (eager, no fusion): saved tensors of
-  9 x dim + 4 x ffn_dim elements (norm in/out x2, q/k/v after RoPE, SDPA output, wo input, w1/w3
-  outputs, silu output, the gated product; SDPA keeps k and v with their kv heads, 2 x kv_dim,
-  or repeated to the query heads, 2 x dim, on CPU and where a dense document mask makes
-  attention repeat them). On CPU nn.RMSNorm is composite and also saves x * rstd: +2 x dim.
+  8 x dim + 4 x ffn_dim elements (norm inputs and outputs x2, q after RoPE, k and v, SDPA's
+  output, which wo's input views, w1/w3 outputs, silu output, the gated product; SDPA keeps k
+  and v with their kv heads, 2 x kv_dim, or repeated to the query heads, 2 x dim, on CPU and
+  where a dense document mask makes attention repeat them), plus fp32 scalars: each norm's
+  rstd and SDPA's logsumexp per head. On CPU nn.RMSNorm is composite: each saves its input
+  upcast to fp32 and x * rstd in fp32, whatever the compute dtype. RoPE's rotation, [seq,
+  head_dim / 2] complex per block and microbatch whatever the batch, is left out (under 1%).
   Under TP with sequence parallel everything but the two all-gathered norm outputs is
-  divided by tp. Under CP a rank holds seq_len / cp tokens of each sequence, and attention saves
-  the K and V gathered over the whole sequence instead of the local ones: 2 x kv_dim x cp per
-  local token, or under GQA the copies that the early and the late chunk's masked calls repeat
-  to the query heads, 2 x dim x (cp + 1/2); its causal mask for the late chunk,
+  divided by tp (all of it measured to the byte on CPU, bf16 and fp32, TP 1 and 2). Under CP
+  a rank holds seq_len / cp tokens of each sequence, and attention saves the K and V gathered
+  over the whole sequence instead of the local ones: 2 x kv_dim x cp per local token, or under
+  GQA the copies that the early and the late chunk's masked calls repeat to the query heads,
+  2 x dim x (cp + 1/2); its causal mask for the late chunk,
   [seq / (2 cp), seq], exists during one attention call. A dense document mask (the sdpa
   backend; flex's block mask is small) is [rows, seq / cp, seq] bools per microbatch in
   flight. Selective 'op' AC keeps the matmul and SDPA outputs and the block input (CP's K/V are
@@ -271,11 +275,12 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     """Per token, elements one block saves for backward: (no AC, selective op, full AC)."""
     a, tp = s.model_args, s.tp
     dim, ffn, kv = a.dim, a.ffn_hidden_dim, a.num_kv_heads * a.head_dim
+    fp32 = 4 / DTYPE_BYTES[s.param_dtype]  # an fp32 element, in elements of the compute dtype
     # SP: norm inputs/outputs are sequence-sharded; their all-gathered copies (the linears'
     # saved inputs) are whole; everything inside attention/FFN is head/column-sharded.
-    norm_io = 2 * dim / tp  # attention_norm and ffn_norm inputs (the residual stream)
-    if s.device == "cpu":
-        norm_io *= 2  # CPU RMSNorm is composite: it also saves x * rstd before the gain
+    # attention_norm's and ffn_norm's inputs (the residual stream) and fp32 rstd; CPU's
+    # composite RMSNorm saves its input upcast to fp32 and x * rstd (fp32) instead.
+    norm_io = 2 * ((2 * fp32 if s.device == "cpu" else 1) * dim + fp32) / tp
     gathered = 2 * dim  # norm outputs as the column-parallel linears save them
     # SDPA's k and v (model.sdpa): the kv heads, or repeated to the query heads for a mask (CP's
     # chunks, a dense document mask) and on CPU. Under CP the whole sequence's, gathered: one
@@ -284,8 +289,9 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     repeats = s.cp > 1 or dense_mask or s.device == "cpu"
     repeated = 2 * dim * (s.cp + 0.5 if s.cp > 1 else 1)
     sdpa_kv = repeated if repeats and kv < dim else 2 * kv * s.cp
-    # q, k, v, sdpa out, wo input; w1, silu, w3, prod
-    inner = (3 * dim + sdpa_kv + 4 * ffn) / tp
+    # q, k, v, SDPA's output (wo's input is a view of it: both kernels write [b, s, h, hd])
+    # and fp32 logsumexp; w1, silu, w3, prod
+    inner = (2 * dim + sdpa_kv + a.n_heads * fp32 + 4 * ffn) / tp
     full = norm_io + gathered + inner
     # Selective op: block input + mm outputs (q, k, v before repeat, wo, w1, w3, w2) + sdpa out
     # (CP's gathered k and v are gathered again in backward, like TP's norm outputs);
@@ -296,9 +302,10 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     sac = dim / tp + (mm_out + dim) / tp
     if s.compiled:
         # Inductor's partition of a compiled block keeps each norm's rstd instead of its input,
-        # recomputes silu(w1 x) from w1's output, and drops w2's output, which no gradient
-        # reads (a compiled 8B block on CPU saved exactly these: tests/test_memory_estimate.py).
-        full -= norm_io + ffn / tp
+        # recomputes silu(w1 x) from w1's output, drops w2's output, which no gradient reads,
+        # and keeps SDPA's output and wo's input apart (a compiled 8B block on CPU saved exactly
+        # these: tests/test_memory_estimate.py).
+        full = gathered + (3 * dim + sdpa_kv + 3 * ffn) / tp
         sac -= dim / tp
     ckpt = dim / tp  # full AC: the block input only
     return full, sac, ckpt
