@@ -37,9 +37,10 @@ Per rank and step (T = tokens the rank processes per step, L its transformer blo
 Step time = (compute + recompute + TP/CP/PP traffic) x (1 + bubble) + exposed FSDP traffic +
 optimizer. tokens/s per GPU = global tokens / step time / world; MFU as train.py reports it.
 
-Not modelled: kernel-launch and Python overhead (hidden by compile and large steps on GPUs),
-overlap of TP and CP traffic with compute, network contention between groups, and the data
-loader. The efficiencies are calibrated from real runs (titanlite/plan/calibrate.py).
+Not modelled: kernel-launch and Python overhead (hidden by compile and large steps on GPUs; for
+it the search ranks layouts predicted equally fast by the fewest microbatches), overlap of TP and
+CP traffic with compute, network contention between groups, and the data loader. The
+efficiencies are calibrated from real runs (titanlite/plan/calibrate.py).
 """
 
 from dataclasses import asdict, dataclass, field
