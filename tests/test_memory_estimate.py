@@ -88,7 +88,8 @@ def test_cp_splits_tokens_and_shards_params_over_dp_shard_x_cp():
     local token) saved by attention instead of repeated local ones, the late chunk's mask."""
     tokens, dim, ffn, kv = 32 // 2, 64, 256, 64
     fp32 = dict(param_dtype="float32")
-    full = (2 * dim + 2) + 2 * dim + 2 * dim + 2 * kv * 2 + 4 + 4 * ffn  # per local token
+    # Per local token: as without CP, but wo's input is a copy of the two chunks' outputs.
+    full = (2 * dim + 2) + 2 * dim + 3 * dim + 2 * kv * 2 + 4 + 4 * ffn
     mask = 16 // 4 * 16 * (1 + 4)  # [seq / (2 cp), seq] bools + fp32 bias
     assert activation_bytes(setup(cp=2, **fp32)) == pytest.approx(tokens * 3 * full * 4 + mask)
     rows = estimate(setup(cp=2, dp_shard=2)).rows
@@ -105,10 +106,11 @@ def test_gqa_kv_saved_as_kv_heads_unless_a_mask_repeats_them():
 
     def sdpa_kv(args, cp=1, device="cuda"):
         elems = block_activation_elems(setup(model_args=args, cp=cp, device=device))[0]
-        # bf16: norm inputs (CPU: fp32 input and x * rstd) and fp32 rstds, norm outputs, q and
-        # SDPA's output, 4 heads' fp32 logsumexp, the FFN's four.
+        # bf16: norm inputs (CPU: fp32 input and x * rstd) and fp32 rstds, norm outputs, q,
+        # SDPA's output (and under CP wo's input apart), 4 heads' fp32 logsumexp, the FFN's four.
         norms = (2 * 2 * 2 * 64 if device == "cpu" else 2 * 64) + 2 * 2
-        return elems - norms - 2 * 64 - 2 * 64 - 4 * 2 - 4 * 256
+        outputs = 64 * (2 if cp > 1 else 1)
+        return elems - norms - 2 * 64 - 64 - outputs - 4 * 2 - 4 * 256
 
     assert sdpa_kv(gqa) == 2 * 32
     assert sdpa_kv(gqa, device="cpu") == 2 * 64
@@ -391,15 +393,16 @@ def test_fsdp_grad_bytes_is_what_fsdp_holds_under_pp(dtype, tmp_path):
         assert r["measured"] == r["estimated"], r
 
 
-@pytest.mark.slow  # launches the worker, on 2 ranks for TP
-@pytest.mark.parametrize("tp", [1, 2])
-def test_an_eager_block_saves_what_the_estimate_counts(tp):
-    """One eager block (GQA, 2 rows of 16 tokens) on this CPU, bf16 and fp32, plain and under
-    TP 2 with sequence parallel: the bytes autograd saves for its backward, read through
-    saved-tensor hooks, are the estimator's figure, to the byte (tests/block_saved_bytes.py)."""
-    proc = torchrun_script(REPO / "tests" / "block_saved_bytes.py", nproc=tp)
+@pytest.mark.slow  # launches the worker, on 2 ranks for TP and CP
+@pytest.mark.parametrize("dim, n", [("tp", 1), ("tp", 2), ("cp", 2)])
+def test_an_eager_block_saves_what_the_estimate_counts(dim, n):
+    """One eager block (GQA, 2 rows of 16 tokens) on this CPU, bf16 and fp32, plain, under TP 2
+    with sequence parallel and under CP 2: the bytes autograd saves for its backward, read
+    through saved-tensor hooks, are the estimator's figure, to the byte
+    (tests/block_saved_bytes.py)."""
+    proc = torchrun_script(REPO / "tests" / "block_saved_bytes.py", dim, nproc=n)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
-    assert len(rows) == 2 * tp, proc.stdout
+    assert len(rows) == 2 * n, proc.stdout
     for row in rows:
         assert row["measured"] == row["estimated"], row
 

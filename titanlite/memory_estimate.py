@@ -36,25 +36,25 @@ error):
   policy is the only mixed-precision mechanism), over a one-rank mesh: the same buffers as above.
 - Activations per block and token follow this repo's model.py (eager, no fusion): saved tensors of
   8 x dim + 4 x ffn_dim elements (norm inputs and outputs x2, q after RoPE, k and v, SDPA's
-  output, which wo's input views, w1/w3 outputs, silu output, the gated product; SDPA keeps k
-  and v with their kv heads, 2 x kv_dim, or repeated to the query heads, 2 x dim, on CPU and
-  where a dense document mask makes attention repeat them), plus fp32 scalars: each norm's
-  rstd and SDPA's logsumexp per head. On CPU nn.RMSNorm is composite: each saves its input
-  upcast to fp32 and x * rstd in fp32, whatever the compute dtype. RoPE's rotation, [seq,
-  head_dim / 2] complex per block and microbatch whatever the batch, is left out (under 1%).
-  Under TP with sequence parallel everything but the two all-gathered norm outputs is
-  divided by tp (all of it measured to the byte on CPU, bf16 and fp32, TP 1 and 2). Under CP
-  a rank holds seq_len / cp tokens of each sequence, and attention saves the K and V gathered
-  over the whole sequence instead of the local ones: 2 x kv_dim x cp per local token, or under
-  GQA the copies that the early and the late chunk's masked calls repeat to the query heads,
-  2 x dim x (cp + 1/2); its causal mask for the late chunk,
-  [seq / (2 cp), seq], exists during one attention call. A dense document mask (the sdpa
-  backend; flex's block mask is small) is [rows, seq / cp, seq] bools per microbatch in
-  flight. Selective 'op' AC keeps the matmul and SDPA outputs and the block input (CP's K/V are
-  gathered again in backward); full AC keeps the block input; selective 'N' makes every Nth
-  block full AC. With AC one block's full
-  activations are rebuilt in backward. Eager, one more block's worth is allowed for gradient
-  buffers; compiled, none (the fused backward frees saved tensors as it makes their gradients).
+  output, which wo's input views (a copy under CP), w1/w3 outputs, silu output, the gated product;
+  SDPA keeps k and v with their kv heads, 2 x kv_dim, or repeated to the query heads, 2 x dim, on
+  CPU and where a dense document mask makes attention repeat them), plus fp32 scalars: each norm's
+  rstd and SDPA's logsumexp per head. On CPU nn.RMSNorm is composite: each saves its input upcast
+  to fp32 and x * rstd in fp32, whatever the compute dtype. RoPE's rotation, [seq, head_dim / 2]
+  complex per block and microbatch whatever the batch, is left out (under 1%). Under TP with
+  sequence parallel everything but the two all-gathered norm outputs is divided by tp (all of it
+  measured to the byte on CPU, bf16 and fp32, TP 1 and 2, and CP 2). Under CP a rank holds seq_len
+  / cp tokens of each sequence, and attention saves the K and V gathered over the whole sequence
+  instead of the local ones: 2 x kv_dim x cp per local token, or under GQA the copies that the
+  early and the late chunk's masked calls repeat to the query heads, 2 x dim x (cp + 1/2). Its
+  causal masks are counted for one attention call, [seq / (2 cp), seq]; SDPA keeps each call's
+  mask for backward (as an additive bias in the activation dtype on CPU), which without AC is
+  every block's, not counted. A dense document mask (the sdpa backend; flex's block mask is small)
+  is [rows, seq / cp, seq] bools per microbatch in flight. Selective 'op' AC keeps the matmul and
+  SDPA outputs and the block input (CP's K/V are gathered again in backward); full AC keeps the
+  block input; selective 'N' makes every Nth block full AC. With AC one block's full activations
+  are rebuilt in backward. Eager, one more block's worth is allowed for gradient buffers;
+  compiled, none (the fused backward frees saved tensors as it makes their gradients).
 - Loss: unchunked, the fp32 logits exist three times at the start of backward (saved
   log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits (compiled:
   only the param_dtype logits and their gradient); chunked, one chunk's logits (fp32 +
@@ -289,9 +289,11 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     repeats = s.cp > 1 or dense_mask or s.device == "cpu"
     repeated = 2 * dim * (s.cp + 0.5 if s.cp > 1 else 1)
     sdpa_kv = repeated if repeats and kv < dim else 2 * kv * s.cp
-    # q, k, v, SDPA's output (wo's input is a view of it: both kernels write [b, s, h, hd])
-    # and fp32 logsumexp; w1, silu, w3, prod
-    inner = (2 * dim + sdpa_kv + a.n_heads * fp32 + 4 * ffn) / tp
+    # q, k, v, SDPA's output and its fp32 logsumexp, wo's input; w1, silu, w3, prod. wo's
+    # input is a view of SDPA's output, which the kernels write [b, s, h, hd], but a copy of
+    # the two chunks' outputs that CP's attention concatenates [b, h, s, hd].
+    outputs = 2 if s.cp > 1 else 1
+    inner = ((1 + outputs) * dim + sdpa_kv + a.n_heads * fp32 + 4 * ffn) / tp
     full = norm_io + gathered + inner
     # Selective op: block input + mm outputs (q, k, v before repeat, wo, w1, w3, w2) + sdpa out
     # (CP's gathered k and v are gathered again in backward, like TP's norm outputs);
