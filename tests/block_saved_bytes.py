@@ -34,6 +34,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def saved_bytes(dtype: torch.dtype, dim: str, n: int) -> int:
+    """Bytes the block's forward saves for backward on this rank, `dim` ("tp" or "cp") of
+    degree `n` applied to the model as training applies it."""
     torch.manual_seed(0)
     model = Transformer(ARGS).to(dtype)
     model.init_buffers()  # RoPE's cache in fp32, as training keeps it
@@ -72,7 +74,8 @@ def main(dim: str) -> None:
         estimated = block_activation_elems(s)[0] * act * ROWS * SEQ / s.cp
         if s.cp > 1:
             # CP's two chunk masks, [c, end] additive biases that SDPA keeps (c = SEQ / 2 cp; the
-            # ends (r + 1) c and (2 cp - r) c): the estimate counts masks apart, in mask_bytes.
+            # ends (r + 1) c and (2 cp - r) c). The estimator counts masks apart, in mask_bytes,
+            # and only one call's, not each block's pair (its docstring says so).
             c = SEQ // (2 * s.cp)
             estimated += c * (2 * s.cp + 1) * c * act
         print(json.dumps({"rank": rank, "dtype": dtype, "measured": measured,
