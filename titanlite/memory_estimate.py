@@ -305,8 +305,8 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     if s.compiled:
         # Inductor's partition of a compiled block keeps each norm's rstd instead of its input,
         # recomputes silu(w1 x) from w1's output, drops w2's output, which no gradient reads,
-        # and keeps SDPA's output and wo's input apart (a compiled 8B block on CPU saved exactly
-        # these: tests/test_memory_estimate.py).
+        # and keeps 3 x dim of attention besides k and v, one more than eager (a compiled 8B
+        # block on CPU saved exactly these: tests/test_memory_estimate.py).
         full = gathered + (3 * dim + sdpa_kv + 3 * ffn) / tp
         sac -= dim / tp
     ckpt = dim / tp  # full AC: the block input only
