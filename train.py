@@ -48,6 +48,7 @@ from titanlite.host import GarbageCollection
 from titanlite.loss import IGNORE_INDEX
 from titanlite.metrics import (
     DeviceMemoryMonitor,
+    LogWindow,
     MetricsLogger,
     compute_throughput,
     default_expandable_segments,
@@ -130,20 +131,6 @@ class Every:
     def due(self, step: int) -> bool:
         hit = step % self.freq == 0 or step == self.last or (self.first and step == 1)
         return self.enabled and hit
-
-
-class LogWindow:
-    """The steps since the last log line: their summed wall and data-loading time, and the
-    results of the last of them (loss and grad norm are logged for that step, not averaged)."""
-
-    def __init__(self):
-        self.steps, self.seconds, self.data_seconds, self.last = 0, 0.0, 0.0, None
-
-    def add(self, out: StepResult):
-        self.steps += 1
-        self.seconds += out.seconds
-        self.data_seconds += out.data_seconds
-        self.last = out
 
 
 class Trainer:

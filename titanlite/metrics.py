@@ -162,6 +162,21 @@ def compute_throughput(
     return {"wps": wps, "tflops": flops / 1e12, "mfu": mfu}
 
 
+class LogWindow:
+    """The steps since the last log line: their summed wall and data-loading time, and the
+    last one's result (train.py's StepResult: loss and grad norm are logged for that step, not
+    averaged)."""
+
+    def __init__(self):
+        self.steps, self.seconds, self.data_seconds, self.last = 0, 0.0, 0.0, None
+
+    def add(self, out):
+        self.steps += 1
+        self.seconds += out.seconds
+        self.data_seconds += out.data_seconds
+        self.last = out
+
+
 # Every name torch reads its allocator settings from.
 ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
