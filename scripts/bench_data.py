@@ -8,7 +8,7 @@ of the same documents in one process and one thread, and 2 workers beside 1.
 The corpus is a JSONL file of `--docs` documents of about `--doc_chars` characters each, cut from
 the Python standard library's sources (what the default dataset trains on), so a build has many
 shards to hand out. Each repeat times, in turn: tiktoken's `encode_ordinary_batch(texts,
-num_threads=1)` of the corpus' texts (already in memory; the issue's reference), then per worker
+num_threads=1)` of the corpus' texts (in memory: the bar a build is held to), then per worker
 count W: tiktoken alone in W processes at once, each encoding a share to arrays (the machine's
 limit for W workers: its cores, caches and memory shared as the workers share them), and
 `build_store` (what prepare_data.py runs) with W workers into a fresh folder, the pool's start

@@ -7,7 +7,7 @@ each predicted with the same constants, beside what torchtitan measured.
 
 torchtitan's cards were H100s with 96 GB of HBM2e (2.4 TB/s) held at 500 W; the device is the
 table's h100-sxm with that memory and bandwidth unless overridden. Rows that do not state the
-sequence length use 8,192 (the configs of that torchtitan version). Goal (the planner's issue):
+sequence length use 8,192 (the configs of that torchtitan version). Goal:
 memory within 15%, tokens/s within 30%, the order of rows within each table right.
 """
 
