@@ -1,6 +1,7 @@
-"""Worker: one eager Llama block's forward on this CPU, bf16 and fp32, with every rank in TP
-(sequence parallel) or CP as argv[1] says (one rank: plain), printing per rank and dtype, as a
-JSON line, the bytes autograd saved for its backward beside memory_estimate's figure for them.
+"""Worker: an eager two-block Llama's forward on this CPU, bf16 and fp32, with every rank in TP
+(sequence parallel) or CP as argv[1] says (one rank: plain; "doc": one rank, with the sdpa
+backend's dense document mask), printing per rank and dtype, as a JSON line, the bytes autograd
+saved for the blocks' backward beside memory_estimate's figure for them.
 
 Counted once per storage (a view shares its base's bytes), the parameters left out, and RoPE's
 rotation, which the estimate leaves out (complex, [seq, head_dim / 2] per block whatever the
@@ -10,19 +11,27 @@ batch: under 1% of a real block's activations).
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from titanlite.memory_estimate import DTYPE_BYTES, MemorySetup, block_activation_elems
+from titanlite.memory_estimate import (
+    DTYPE_BYTES,
+    MemorySetup,
+    block_activation_elems,
+    mask_bias_bytes,
+)
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.parallelize import apply_cp, apply_tp
 
-# GQA (4 query heads over 2 kv heads, which CPU attention repeats), ffn 256, 2 rows of 16.
-ARGS = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32)
+# GQA (4 query heads over 2 kv heads, which CPU attention repeats), ffn 256, 2 rows of 16; two
+# blocks, so that what each block keeps (its mask's bias among it) is counted per block.
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32)
+DOCS = replace(ARGS, document_masking=True, bos_id=1, eos_id=2)
 ROWS, SEQ = 2, 16
 
 
@@ -34,10 +43,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def saved_bytes(dtype: torch.dtype, dim: str, n: int) -> int:
-    """Bytes the block's forward saves for backward on this rank, `dim` ("tp" or "cp") of
-    degree `n` applied to the model as training applies it."""
+    """Bytes the blocks' forward saves for backward on this rank, `dim` ("tp" or "cp") of degree
+    `n` applied to the model as training applies it ("doc": the document-masked model)."""
     torch.manual_seed(0)
-    model = Transformer(ARGS).to(dtype)
+    model = Transformer(DOCS if dim == "doc" else ARGS).to(dtype)
     model.init_buffers()  # RoPE's cache in fp32, as training keeps it
     if n > 1 and dim == "tp":
         apply_tp(model, init_device_mesh("cpu", (n,)), shard_logits=False)
@@ -52,14 +61,18 @@ def saved_bytes(dtype: torch.dtype, dim: str, n: int) -> int:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    block, block_forward = model.layers["0"], model.layers["0"].forward
+    def counted(block_forward):
+        def forward(*args):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return block_forward(*args)
 
-    def counted_forward(*args):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return block_forward(*args)
+        return forward
 
-    block.forward = counted_forward
-    model(torch.randint(0, ARGS.vocab_size, (ROWS, SEQ)))
+    for block in model.layers.values():
+        block.forward = counted(block.forward)
+    tokens = torch.randint(3, ARGS.vocab_size, (ROWS, SEQ))
+    tokens[:, 6:8] = torch.tensor([DOCS.eos_id, DOCS.bos_id])  # a second document in each row
+    model(tokens)
     return sum(saved.values())
 
 
@@ -68,16 +81,11 @@ def main(dim: str) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     for dtype in ("bfloat16", "float32"):
         measured = saved_bytes(getattr(torch, dtype), dim, n)
-        s = MemorySetup(model_args=ARGS, local_batch_size=ROWS, seq_len=SEQ, device="cpu",
-                        param_dtype=dtype, **{dim: n})  # fmt: skip
-        act = DTYPE_BYTES[dtype]
-        estimated = block_activation_elems(s)[0] * act * ROWS * SEQ / s.cp
-        if s.cp > 1:
-            # CP's two chunk masks, [c, end] additive biases that SDPA keeps (c = SEQ / 2 cp; the
-            # ends (r + 1) c and (2 cp - r) c). The estimator counts masks apart, in mask_bytes,
-            # and only one call's, not each block's pair (its docstring says so).
-            c = SEQ // (2 * s.cp)
-            estimated += c * (2 * s.cp + 1) * c * act
+        degrees = {dim: n} if dim in ("tp", "cp") else {}
+        s = MemorySetup(model_args=DOCS if dim == "doc" else ARGS, local_batch_size=ROWS,
+                        seq_len=SEQ, device="cpu", param_dtype=dtype, **degrees)  # fmt: skip
+        per_block = block_activation_elems(s)[0] * DTYPE_BYTES[dtype] * ROWS * SEQ / s.cp
+        estimated = ARGS.n_layers * (per_block + mask_bias_bytes(s))
         print(json.dumps({"rank": rank, "dtype": dtype, "measured": measured,
                           "estimated": estimated}), flush=True)  # fmt: skip
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from conftest import REPO, TINY_TRAIN, torchrun_script
 
+from titanlite import memory_estimate
 from titanlite.build import model_args_for_vocab
 from titanlite.config_parse import parse_args
 from titanlite.memory_estimate import (
@@ -21,6 +22,7 @@ from titanlite.memory_estimate import (
     fsdp_buffer_bytes,
     fsdp_grad_bytes,
     loss_bytes,
+    mask_bias_bytes,
     param_counts,
 )
 from titanlite.models.llama.args import ModelArgs
@@ -90,7 +92,9 @@ def test_cp_splits_tokens_and_shards_params_over_dp_shard_x_cp():
     fp32 = dict(param_dtype="float32")
     # Per local token: as without CP, but wo's input is a copy of the two chunks' outputs.
     full = (2 * dim + 2) + 2 * dim + 3 * dim + 2 * kv * 2 + 4 + 4 * ffn
-    mask = 16 // 4 * 16 * (1 + 4)  # [seq / (2 cp), seq] bools + fp32 bias
+    # Each of the 2 blocks keeps its two chunks' fp32 biases, [4, 4] + [4, 16] on rank 0; the
+    # bools of one call, the largest, [4, 16], exist while it runs.
+    mask = 2 * (4 * 4 + 4 * 16) * 4 + 4 * 16
     assert activation_bytes(setup(cp=2, **fp32)) == pytest.approx(tokens * 3 * full * 4 + mask)
     rows = estimate(setup(cp=2, dp_shard=2)).rows
     assert rows["params (fp32, sharded)"] == pytest.approx(param_counts(ARGS)["total"] * 4 / 4)
@@ -216,8 +220,8 @@ def test_the_compiled_plain_loss_holds_the_logits_and_their_gradient():
 
 def test_a_dense_document_mask_is_held_per_microbatch_in_flight():
     """The sdpa backend's document mask: [rows, seq / cp, seq] bools kept from forward to
-    backward, plus one SDPA call's fp32 bias (the whole mask without CP; the late chunk's rows
-    under CP, where it replaces the plain causal mask); flex's block mask is not counted."""
+    backward, plus each block's fp32 bias of it (the whole mask without CP; the two chunks' rows
+    under CP, where it replaces the causal chunk masks' bias); flex's block mask is not counted."""
     fp32 = dict(param_dtype="float32")
     docs = replace(ARGS, document_masking=True, bos_id=1, eos_id=2)
 
@@ -230,11 +234,36 @@ def test_a_dense_document_mask_is_held_per_microbatch_in_flight():
             )
         )
 
-    # 2 rows x 16 x 16 bools + 2 x 16 x 16 fp32 bias; SDPA's repeated K/V (GQA only) aside.
-    assert extra(docs) == 2 * 16 * 16 + 2 * 16 * 16 * 4
-    causal_cp_mask = 16 // 4 * 16 * (1 + 4)
-    assert extra(docs, cp=2) == 2 * 8 * 16 + 2 * 4 * 16 * 4 - causal_cp_mask
+    # 2 rows x 16 x 16 bools + both blocks' 2 x 16 x 16 fp32 bias; SDPA's repeated K/V (GQA
+    # only) aside. Under CP 2 the chunks' rows, [4, 4] + [4, 16] a row, instead of the causal
+    # chunks' biases and the bools of one call, [4, 16].
+    assert extra(docs) == 2 * 16 * 16 + 2 * (2 * 16 * 16 * 4)
+    chunks = 4 * 4 + 4 * 16
+    causal = 2 * (chunks * 4) + 4 * 16
+    assert extra(docs, cp=2) == 2 * 8 * 16 + 2 * (2 * chunks * 4) - causal
     assert extra(replace(docs, attention_backend="flex")) == 0
+
+
+def test_a_mask_bias_is_kept_by_every_block_that_keeps_its_saved_tensors(monkeypatch):
+    """Without AC every block keeps its mask's bias, per microbatch; selective 'op' and full AC
+    recompute it, so only the block rebuilt in backward holds one; selective '2' keeps it in
+    every block it does not checkpoint, and the rebuilt one."""
+    big = replace(ARGS, n_layers=4)
+    # Under CP 2, [4, 4] + [4, 16] on rank 0, broadcast over the rows; bf16.
+    assert mask_bias_bytes(setup(model_args=big, cp=2)) == (4 * 4 + 4 * 16) * 2
+    assert mask_bias_bytes(setup(model_args=big)) == 0  # plain causal attention takes no mask
+
+    def biases(**kw):
+        s = setup(model_args=big, cp=2, **kw)
+        with_bias = activation_bytes(s)
+        monkeypatch.setattr(memory_estimate, "mask_bias_bytes", lambda s: 0.0)
+        without = activation_bytes(s)
+        monkeypatch.undo()
+        return (with_bias - without) / mask_bias_bytes(s)
+
+    assert biases(ac_mode="none") == 4
+    assert biases(ac_mode="full") == biases(ac_mode="selective") == 1
+    assert biases(ac_mode="selective", selective_ac_option="2") == 2 + 1
 
 
 def test_cpu_composite_rmsnorm_saves_its_normalized_input_too():
@@ -394,12 +423,12 @@ def test_fsdp_grad_bytes_is_what_fsdp_holds_under_pp(dtype, tmp_path):
 
 
 @pytest.mark.slow  # launches the worker, on 2 ranks for TP and CP
-@pytest.mark.parametrize("dim, n", [("tp", 1), ("tp", 2), ("cp", 2)])
+@pytest.mark.parametrize("dim, n", [("tp", 1), ("tp", 2), ("cp", 2), ("doc", 1)])
 def test_an_eager_block_saves_what_the_estimate_counts(dim, n):
-    """One eager block (GQA, 2 rows of 16 tokens) on this CPU, bf16 and fp32, plain, under TP 2
-    with sequence parallel and under CP 2: the bytes autograd saves for its backward, read
-    through saved-tensor hooks, are the estimator's figure, to the byte
-    (tests/block_saved_bytes.py)."""
+    """Two eager blocks (GQA, 2 rows of 16 tokens) on this CPU, bf16 and fp32, plain, under TP 2
+    with sequence parallel, under CP 2 and with a dense document mask: the bytes autograd saves
+    for their backward, read through saved-tensor hooks, are the estimator's figure per block
+    (the mask's bias among them), to the byte (tests/block_saved_bytes.py)."""
     proc = torchrun_script(REPO / "tests" / "block_saved_bytes.py", dim, nproc=n)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
     assert len(rows) == 2 * n, proc.stdout

@@ -46,15 +46,21 @@ error):
   measured to the byte on CPU, bf16 and fp32, TP 1 and 2, and CP 2). Under CP a rank holds seq_len
   / cp tokens of each sequence, and attention saves the K and V gathered over the whole sequence
   instead of the local ones: 2 x kv_dim x cp per local token, or under GQA the copies that the
-  early and the late chunk's masked calls repeat to the query heads, 2 x dim x (cp + 1/2). Its
-  causal masks are counted for one attention call, [seq / (2 cp), seq]; SDPA keeps each call's
-  mask for backward (as an additive bias in the activation dtype on CPU), which without AC is
-  every block's, not counted. A dense document mask (the sdpa backend; flex's block mask is small)
-  is [rows, seq / cp, seq] bools per microbatch in flight. Selective 'op' AC keeps the matmul and
-  SDPA outputs and the block input (CP's K/V are gathered again in backward); full AC keeps the
-  block input; selective 'N' makes every Nth block full AC. With AC one block's full activations
-  are rebuilt in backward. Eager, one more block's worth is allowed for gradient buffers;
-  compiled, none (the fused backward frees saved tensors as it makes their gradients).
+  early and the late chunk's masked calls repeat to the query heads, 2 x dim x (cp + 1/2).
+  Selective 'op' AC keeps the matmul and SDPA outputs and the block input (CP's K/V are gathered
+  again in backward); full AC keeps the block input; selective 'N' makes every Nth block full
+  AC. With AC one block's full activations are rebuilt in backward. Eager, one more block's worth
+  is allowed for gradient buffers; compiled, none (the fused backward frees saved tensors as it
+  makes their gradients).
+- Masks: SDPA turns a bool mask into an additive bias in the activation dtype, which its kernel
+  keeps for backward (CPU's flash, CUDA's memory-efficient and cuDNN kernels all take the bias in
+  their backward). A block holds, per microbatch, [rows, seq, seq] for a dense document mask (the
+  sdpa backend), and under CP [c, (r + 1) c] and [c, (2 cp - r) c] for its two causal chunks (c =
+  seq / 2 cp; rows x those with a document mask): every block that keeps its saved tensors, and
+  the block AC rebuilds (selective 'op' recomputes them). The dense document mask itself,
+  [rows, seq / cp, seq] bools, is built once a forward and kept per microbatch in flight; CP's
+  causal chunk masks, bools too, one SDPA call at a time; flex's block mask is small and not
+  counted.
 - Loss: unchunked, the fp32 logits exist three times at the start of backward (saved
   log-softmax, its incoming and its outgoing gradient) plus the param_dtype logits (compiled:
   only the param_dtype logits and their gradient); chunked, one chunk's logits (fp32 +
@@ -149,16 +155,8 @@ class MemorySetup:
             )
         if self.param_dtype not in DTYPE_BYTES:
             raise ValueError(f"param_dtype must be one of {sorted(DTYPE_BYTES)}")
-        for name in (
-            "dp_replicate",
-            "dp_shard",
-            "tp",
-            "cp",
-            "pp",
-            "local_batch_size",
-            "seq_len",
-            "accumulation",
-        ):
+        positive = "dp_replicate dp_shard tp cp pp local_batch_size seq_len accumulation"
+        for name in positive.split():
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -315,39 +313,48 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
 
 def activation_bytes(s: MemorySetup) -> float:
     """Saved activations of this rank's blocks for every microbatch in flight, plus one block
-    rebuilt by AC, plus (eager) one block of gradient buffers. A compiled block's backward is
-    one fused graph that frees its saved tensors as it makes their gradients: on an H200 (8B's
-    blocks, full AC, 32K-128K tokens) the live peak was 2-6% above the estimate without them."""
+    rebuilt by AC, plus (eager) one block of gradient buffers, plus the masks. A compiled
+    block's backward is one fused graph that frees its saved tensors as it makes their
+    gradients: on an H200 (8B's blocks, full AC, 32K-128K tokens) the live peak was 2-6% above
+    the estimate without them."""
     share = s.share
     n = share.blocks
     act = DTYPE_BYTES[s.param_dtype]
     full, sac, ckpt = (elems * act for elems in block_activation_elems(s))
+    # kept: per token, what the blocks keep; masked: the blocks that keep SDPA's mask bias.
     if s.ac_mode == "none":
-        kept, rebuilt = n * full, 0.0
+        kept, rebuilt, masked = n * full, 0.0, n
     elif s.ac_mode == "full":
-        kept, rebuilt = n * ckpt, full
+        kept, rebuilt, masked = n * ckpt, full, 0
     elif s.selective_ac_option in SELECTIVE_OP_OPTIONS:
-        kept, rebuilt = n * sac, full - sac
+        kept, rebuilt, masked = n * sac, full - sac, 0
     else:
         n_ckpt = n // int(s.selective_ac_option)
-        kept, rebuilt = n_ckpt * ckpt + (n - n_ckpt) * full, full
+        kept, rebuilt, masked = n_ckpt * ckpt + (n - n_ckpt) * full, full, n - n_ckpt
     grad_buffers = 0.0 if s.compiled else full
-    return s.local_tokens * (kept * share.in_flight + rebuilt + grad_buffers) + mask_bytes(s)
+    tokens = s.local_tokens * (kept * share.in_flight + rebuilt + grad_buffers)
+    biases = (masked * share.in_flight + (s.ac_mode != "none")) * mask_bias_bytes(s)
+    return tokens + biases + bool_mask_bytes(s)
 
 
-def mask_bytes(s: MemorySetup) -> float:
-    """Attention masks (flex's block masks are small, and not counted). A dense document mask
-    (the sdpa backend), [rows, seq / cp, seq] bools, is built once a forward and kept for
-    backward, for each microbatch in flight; else CP's causal mask for its late chunk, [seq / (2
-    cp), ~seq] bools, lives during one SDPA call. Either way a mask-taking kernel makes an
-    additive bias in the activation dtype of one call's mask."""
+def mask_bias_bytes(s: MemorySetup) -> float:
+    """The additive mask one block's attention keeps per microbatch (the module docstring)."""
+    a, seq, cp, act = s.model_args, s.seq_len, s.cp, DTYPE_BYTES[s.param_dtype]
+    if a.document_masking and a.attention_backend == "flex":
+        return 0.0  # flex takes its block mask as it is
+    rows = s.share.rows if a.document_masking else 1  # a causal mask is broadcast over rows
+    c = seq // (2 * cp)
+    return rows * (c * (2 * cp + 1) * c if cp > 1 else seq * seq * a.document_masking) * act
+
+
+def bool_mask_bytes(s: MemorySetup) -> float:
+    """The bool masks: the sdpa backend's dense document masks, [rows, seq / cp, seq] per
+    microbatch in flight, else under CP the causal chunk mask of one SDPA call (the largest,
+    [seq / (2 cp), seq]), made per call before its bias."""
     a, seq, cp = s.model_args, s.seq_len, s.cp
-    act = DTYPE_BYTES[s.param_dtype]
-    call_rows = seq // (2 * cp) if cp > 1 else seq  # queries per SDPA call
     if a.document_masking and a.attention_backend == "sdpa":
-        rows = s.share.rows
-        return rows * seq // cp * seq * s.share.in_flight + rows * call_rows * seq * act
-    return 0.0 if cp == 1 else call_rows * seq * (1 + act)
+        return s.share.rows * seq // cp * seq * s.share.in_flight
+    return 0.0 if cp == 1 or a.document_masking else seq // (2 * cp) * seq
 
 
 def loss_bytes(s: MemorySetup) -> float:
