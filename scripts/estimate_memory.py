@@ -13,7 +13,9 @@ On CUDA the estimate is the caching allocator's peak reserved memory, what train
 (`memory_gib`); the CUDA context and NCCL's buffers come on top of it, outside the allocator.
   --measure N       (one process, CPU) also run N real training steps in this process and
                     print the measured peak RSS above the baseline taken after the tokenizer
-                    and data loader are built but before the model is (validation)
+                    and data loader are built but before the model is, and the peak of the
+                    bytes tensors held (torch's MemTracker: what the estimate models, without
+                    what the C allocator keeps of freed memory) (validation)
 The assumptions are in titanlite/memory_estimate.py's docstring; measured error in
 docs/performance.md.
 """
@@ -79,9 +81,13 @@ def _rss_bytes(field: str) -> int:
     raise OSError(f"{field} not in /proc/self/status")
 
 
-def measure(cfg, steps: int) -> float:
-    """Peak RSS growth over building the trainer and `steps` steps of a world-1 run: model,
-    optimizer, activations (plus the tokenizer and the loader's prefetched batches, a few MB)."""
+def measure(cfg, steps: int) -> tuple[float, float]:
+    """(peak RSS growth, peak bytes of live tensors) over building the trainer and `steps` steps
+    of a world-1 run. The RSS holds model, optimizer and activations, plus the tokenizer's and
+    the loader's prefetched batches (a few MB) and what glibc keeps of freed memory; torch's
+    MemTracker counts each tensor storage from its allocation to its release."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     import train
 
     cfg.metrics.peak_tflops = cfg.metrics.peak_tflops or 1.0  # no calibration allocations
@@ -90,12 +96,18 @@ def measure(cfg, steps: int) -> float:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     baseline = _rss_bytes("VmRSS")
-    trainer = train.Trainer(cfg, dist_env)
-    for _ in range(steps):
-        trainer.train_step()
+    tracker = MemTracker()
+    with tracker:
+        trainer = train.Trainer(cfg, dist_env)
+        for step in range(steps):
+            if step:  # it keeps one iteration's statistics per module, the peak across them
+                tracker.reset_mod_stats()
+            trainer.train_step()
     trainer.close()
     train.destroy()  # the one-rank process group: left to interpreter exit it can abort
-    return _rss_bytes("VmHWM") - baseline
+    peaks = tracker.get_tracker_snapshot("peak")
+    live = sum(d["Total"] for dev, d in peaks.items() if dev.type != "meta")  # meta: no memory
+    return _rss_bytes("VmHWM") - baseline, live
 
 
 def print_stages(setup):
@@ -147,12 +159,13 @@ def main(argv: list[str]) -> int:
             "context and NCCL's buffers come on top, outside the allocator, not estimated)"
         )
     if extra.get("measure"):
-        measured = measure(cfg, extra["measure"])
-        err = 100 * (est.total - measured) / measured
-        print(
-            f"measured peak RSS above baseline: {measured / GIB:.3f} GiB; estimate "
-            f"{est.total / GIB:.3f} GiB ({err:+.1f}%)"
-        )
+        rss, live = measure(cfg, extra["measure"])
+        for what, measured in (("peak RSS above baseline", rss), ("peak of live tensors", live)):
+            err = 100 * (est.total - measured) / measured
+            print(
+                f"measured {what}: {measured / GIB:.3f} GiB; estimate {est.total / GIB:.3f} GiB "
+                f"({err:+.1f}%)"
+            )
     return 0
 
 

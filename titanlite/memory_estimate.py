@@ -110,6 +110,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # expandable segments) reserved exceeded the live peak by 0.30-0.85 of the smaller of the two
 # working sets, median 0.7.
 CUDA_CACHED_FRACTION = 0.7
+CACHE_ROW = "allocator cache (freed, kept)"
 
 # Parameter-name suffixes that tensor parallelism splits (apply_tp's plan).
 _TP_SPLIT = (
@@ -313,10 +314,9 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
 
 def activation_bytes(s: MemorySetup) -> float:
     """Saved activations of this rank's blocks for every microbatch in flight, plus one block
-    rebuilt by AC, plus (eager) one block of gradient buffers, plus the masks. A compiled
-    block's backward is one fused graph that frees its saved tensors as it makes their
-    gradients: on an H200 (8B's blocks, full AC, 32K-128K tokens) the live peak was 2-6% above
-    the estimate without them."""
+    rebuilt by AC, plus (eager) one block of gradient buffers, plus the masks. Compiled, none:
+    on an H200 (8B's blocks, full AC, 32K-128K tokens) the live peak was 2-6% above the
+    estimate without them."""
     share = s.share
     n = share.blocks
     act = DTYPE_BYTES[s.param_dtype]
@@ -441,7 +441,7 @@ def estimate(s: MemorySetup, counts: dict[str, int] | None = None) -> MemoryEsti
         est.rows["AdamW states (2 x fp32)"] = on_device * 8
         est.rows["optimizer-step temporaries"] = on_device * 4
     if s.device == "cuda":
-        est.rows["allocator cache (freed, kept)"] = CUDA_CACHED_FRACTION * min(backward, optimizer)
+        est.rows[CACHE_ROW] = CUDA_CACHED_FRACTION * min(backward, optimizer)
     return est
 
 

@@ -80,3 +80,4 @@ def test_the_runs_layout_and_throughput_are_read_from_its_folder():
     assert run.layout == Layout(local_batch_size=2, ac="full", chunk_tokens=2048, compile=True)
     assert run.model.shape.n_layers == 4 and run.model.shape.dim == 4096
     assert run.tokens_per_s == pytest.approx(41513, rel=0.01)  # the median of steps 4-10
+    assert run.memory_gib > run.active_gib > 0  # the peaks reserved and in use, GiB

@@ -65,7 +65,7 @@ def test_calibrated_constants_are_used_by_the_next_plan(capsys, tmp_path, monkey
     runs = [str(p) for p in sorted(H200_RUNS.glob("cal_1B*"))]
     rc, out, _ = plan(capsys, "--device", "h200", "--vocab_size", "100352", "--calibrate", *runs)
     assert rc == 0 and f"saved to {tmp_path / 'h200.json'}" in out
-    assert out.count("%") == 2 * len(runs)  # two error columns per run: tokens/s, memory
+    assert out.count("%") == 3 * len(runs)  # error columns per run: tokens/s, reserved, active
     rc, out, _ = plan(capsys, *DEBUG, "--gpus", "2", "--device", "h200", "--check", "0")
     assert rc == 0 and f"constants: fitted on {len(runs)} runs" in out
 
@@ -101,8 +101,11 @@ def test_compare_prints_measured_beside_predicted_without_fitting(capsys, tmp_pa
     rc, out, _ = plan(capsys, "--device", "h200", "--vocab_size", "100352", "--compare", *runs)
     rows = [line.split() for line in out.splitlines() if "b_" in line]
     assert rc == 0 and len(rows) == len(runs) == 5
-    # tokens/s and peak reserved GiB, each measured, predicted and the error
-    assert all(len(row) == 7 and row[3].endswith("%") and row[6].endswith("%") for row in rows)
+    # tokens/s, peak reserved and peak active GiB, each measured, predicted and the error
+    assert all(len(row) == 10 and all(row[i].endswith("%") for i in (3, 6, 9)) for row in rows)
+    eager = next(row for row in rows if "b_1B_8k_full_eager" in row[0])
+    assert eager[7] == "23.8"  # the run's memory_active_gib, 23.75, to 0.1 GiB
+    assert float(eager[8]) < float(eager[5])  # the live estimate leaves out the allocator's cache
     assert "b_8B6L_4k_b2_sac" in out and not list(tmp_path.iterdir())  # nothing saved
 
 

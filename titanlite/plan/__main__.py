@@ -193,17 +193,22 @@ def read_runs(folders: list[str], args) -> list:
 
 
 def print_runs(runs: list, device, constants) -> None:
-    """Each run's measured tokens/s and peak reserved memory beside the planner's figures."""
-    print(f"{'run':<40}{'tok/s':>10}{'predicted':>11}{'error':>8}"
-          f"{'GiB':>8}{'estimated':>11}{'error':>8}")  # fmt: skip
+    """Each run's measured tokens/s, peak reserved and peak active memory beside the planner's
+    figures (the active one beside the estimate less the allocator's cache: the live bytes)."""
+    print(f"{'run':<40}{'tok/s':>10}{'predicted':>11}{'error':>8}{'GiB':>8}{'estimated':>11}"
+          f"{'error':>8}{'active':>8}{'live est':>10}{'error':>8}")  # fmt: skip
     for r in runs:
         pred = calibrate.predicted_tps(r, device, constants)
-        mem = memory_gib(r.model, r.layout)
-        error = f"{100 * (mem / r.memory_gib - 1):>7.1f}%" if r.memory_gib else f"{'-':>8}"
-        measured = f"{r.memory_gib:>8.1f}" if r.memory_gib else f"{'-':>8}"
-        print(f"{r.folder:<40}{r.tokens_per_s:>10,.0f}{pred:>11,.0f}"
-              f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%"
-              f"{measured}{mem:>11.1f}{error}")  # fmt: skip
+        row = f"{r.folder:<40}{r.tokens_per_s:>10,.0f}{pred:>11,.0f}"
+        row += f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%"
+        for measured, live in ((r.memory_gib, False), (r.active_gib, True)):
+            est = memory_gib(r.model, r.layout, live=live)
+            width = 11 if not live else 10
+            if measured:
+                row += f"{measured:>8.1f}{est:>{width}.1f}{100 * (est / measured - 1):>7.1f}%"
+            else:
+                row += f"{'-':>8}{est:>{width}.1f}{'-':>8}"
+        print(row)
 
 
 def run_calibrate(args, device, path) -> int:

@@ -33,6 +33,7 @@ class Run:
     tokens_per_s: float  # per device, measured
     memory_gib: float | None  # peak reserved, measured
     gpus_per_node: int = 8
+    active_gib: float | None = None  # peak in use (CUDA's active memory), measured
 
 
 def read_run(folder: str | Path, vocab_size: int | None = None) -> Run:
@@ -56,8 +57,12 @@ def read_run(folder: str | Path, vocab_size: int | None = None) -> Run:
     if vocab is None:
         raise ConfigError(f"{folder}: no plan record in metrics.jsonl; pass --vocab_size")
     tps = statistics.median(r["wps"] for r in steps[SKIPPED_STEPS:])
-    mem = max((r["memory_gib"] for r in steps if r.get("memory_gib") is not None), default=None)
-    return Run(str(folder), model_of(cfg, vocab), layout_of(cfg, world), tps, mem)
+    mem, active = (
+        max((r[k] for r in steps if r.get(k) is not None), default=None)
+        for k in ("memory_gib", "memory_active_gib")
+    )
+    return Run(str(folder), model_of(cfg, vocab), layout_of(cfg, world), tps, mem,
+               active_gib=active)  # fmt: skip
 
 
 def predicted_tps(run: Run, device: Device, c: Constants) -> float:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from titanlite.config import ConfigError
-from titanlite.memory_estimate import GIB, estimate
+from titanlite.memory_estimate import CACHE_ROW, GIB, estimate
 from titanlite.parallel_dims import ParallelDims
 from titanlite.plan.devices import Device
 from titanlite.plan.perf import AC_CONFIG, Constants, Layout, Prediction, predict
@@ -67,12 +67,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def memory_gib(model: Model, lo: Layout, device: str = "cuda", **run) -> float:
+def memory_gib(model: Model, lo: Layout, device: str = "cuda", live: bool = False, **run) -> float:
     """The estimator's peak of the fullest pipeline rank (the first holds the most microbatches
-    in flight, the last the loss); `run` as memory_setup takes it."""
+    in flight, the last the loss), or with `live` the bytes in use at it (no allocator cache);
+    `run` as memory_setup takes it."""
     setup = memory_setup(model.args, model.name, model.shape.seq_len, lo, device, **run)
-    ranks = {0, lo.pp - 1}
-    return max(estimate(replace(setup, pp_rank=r), model.counts).total for r in ranks) / GIB
+    ests = [estimate(replace(setup, pp_rank=r), model.counts) for r in {0, lo.pp - 1}]
+    fullest = max(ests, key=lambda e: e.total)
+    return (fullest.total - (fullest.rows.get(CACHE_ROW, 0.0) if live else 0.0)) / GIB
 
 
 def degrees(model: Model, cluster: Cluster, plan: Plan):
