@@ -80,9 +80,9 @@ def test_tp_divides_activations_except_gathered_norm_outputs():
     # SDPA's output and its 4 heads' logsumexp; the FFN's four.
     full_1 = (2 * dim + 2) + 2 * dim + (4 * dim + 4 + 4 * ffn)
     full_2 = (2 * dim + 2) / 2 + 2 * dim + (4 * dim + 4 + 4 * ffn) / 2
-    # 2 blocks saved + 1 block of gradient buffers, fp32.
-    assert activation_bytes(setup(**fp32)) == pytest.approx(tokens * 3 * full_1 * 4)
-    assert activation_bytes(setup(tp=2, **fp32)) == pytest.approx(tokens * 3 * full_2 * 4)
+    # 2 blocks saved + the FFN backward's two gradients, [tokens, ffn / tp], fp32.
+    assert activation_bytes(setup(**fp32)) == pytest.approx(tokens * (2 * full_1 + 2 * ffn) * 4)
+    assert activation_bytes(setup(tp=2, **fp32)) == pytest.approx(tokens * (2 * full_2 + ffn) * 4)
 
 
 def test_cp_splits_tokens_and_shards_params_over_dp_shard_x_cp():
@@ -95,7 +95,8 @@ def test_cp_splits_tokens_and_shards_params_over_dp_shard_x_cp():
     # Each of the 2 blocks keeps its two chunks' fp32 biases, [4, 4] + [4, 16] on rank 0; the
     # bools of one call, the largest, [4, 16], exist while it runs.
     mask = 2 * (4 * 4 + 4 * 16) * 4 + 4 * 16
-    assert activation_bytes(setup(cp=2, **fp32)) == pytest.approx(tokens * 3 * full * 4 + mask)
+    saved = tokens * (2 * full + 2 * ffn) * 4  # 2 blocks + the FFN backward's gradients
+    assert activation_bytes(setup(cp=2, **fp32)) == pytest.approx(saved + mask)
     rows = estimate(setup(cp=2, dp_shard=2)).rows
     assert rows["params (fp32, sharded)"] == pytest.approx(param_counts(ARGS)["total"] * 4 / 4)
     assert loss_bytes(setup(cp=2)) == loss_bytes(setup(seq_len=8))
@@ -269,7 +270,7 @@ def test_a_mask_bias_is_kept_by_every_block_that_keeps_its_saved_tensors(monkeyp
 def test_cpu_composite_rmsnorm_saves_its_normalized_input_too():
     fp32 = dict(param_dtype="float32")
     extra = activation_bytes(setup(device="cpu", **fp32)) - activation_bytes(setup(**fp32))
-    assert extra == pytest.approx(32 * 3 * 2 * 64 * 4)  # 32 tokens, 3 blocks' worth, 2 norms
+    assert extra == pytest.approx(32 * 2 * 2 * 64 * 4)  # 32 tokens, 2 blocks, 2 norms each
 
 
 def test_activation_checkpointing_reduces_activations():
@@ -281,9 +282,9 @@ def test_activation_checkpointing_reduces_activations():
     full32 = activation_bytes(setup(model_args=big, ac_mode="full", param_dtype="float32"))
     assert full < sel < none
     assert full < every2 < none
-    # Full AC, eager: 8 block inputs (dim each) + one rebuilt block + one block of grad buffers.
+    # Full AC, eager: 8 block inputs (dim each) + one rebuilt block + its FFN's 2 gradients.
     per_block = (2 * 64 + 2) + 2 * 64 + (4 * 64 + 4 + 4 * 256)
-    assert full32 == pytest.approx(32 * (8 * 64 + 2 * per_block) * 4)
+    assert full32 == pytest.approx(32 * (8 * 64 + per_block + 2 * 256) * 4)
 
 
 def test_chunked_loss_reduces_loss_memory():
@@ -351,6 +352,27 @@ def test_bad_setup_is_a_value_error():
         setup(ac_mode="selective", selective_ac_option="x")
 
 
+@pytest.mark.slow  # trains 2 steps of the debug model under torch's MemTracker
+def test_measure_sets_the_estimate_beside_the_live_tensors_peak():
+    """`--measure` on this CPU, an eager fp32 run without AC: the estimate is within 5% of the
+    peak bytes of live tensors (each block's saved set, measured to the byte above, plus its
+    FFN backward's two gradients); the RSS peak is above both (glibc keeps freed memory)."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts/estimate_memory.py"), "--job.config_file",
+         "debug_model.toml", "--device", "cpu", "--measure", "2",
+         "--training.mixed_precision_param", "float32"],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    ).stdout  # fmt: skip
+    measured = {}
+    for line in out.splitlines():
+        if line.startswith("measured "):  # "measured WHAT: X GiB; estimate Y GiB (+E%)"
+            what, rest = line.removeprefix("measured ").split(": ", 1)
+            measured[what] = float(rest.split()[0])
+            estimated = float(rest.split("estimate ")[1].split()[0])
+    live, rss = measured["peak of live tensors"], measured["peak RSS above baseline"]
+    assert abs(estimated / live - 1) < 0.05 and rss > max(live, estimated), out
+
+
 @pytest.mark.slow
 def test_cli_8b_fsdp8():
     out = subprocess.run(
@@ -383,10 +405,11 @@ def test_pp_ranks_hold_their_stages_and_the_ends_the_root_parts():
     assert loss_bytes(first) == 0 and loss_bytes(last) > 0
     tokens, (full, _, _) = 16, block_activation_elems(first)
     per_mb = tokens * full * 4  # one block of one 1-row microbatch, fp32
-    assert activation_bytes(first) == pytest.approx(per_mb * (2 + 1))  # 2 in flight + 1 block
-    assert activation_bytes(last) == pytest.approx(per_mb * (1 + 1))
+    grads = tokens * 2 * 256 * 4  # the FFN backward's two [tokens, ffn] gradients
+    assert activation_bytes(first) == pytest.approx(per_mb * 2 + grads)  # 2 in flight
+    assert activation_bytes(last) == pytest.approx(per_mb * 1 + grads)
     gpipe = replace(pp_setup("GPipe", local_batch_size=4), pp_rank=1)
-    assert activation_bytes(gpipe) == pytest.approx(per_mb * (4 + 1))
+    assert activation_bytes(gpipe) == pytest.approx(per_mb * 4 + grads)
 
 
 def test_pp_fsdp_holds_the_stage_gradient_in_fp32_until_the_last_microbatch():

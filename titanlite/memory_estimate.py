@@ -49,9 +49,10 @@ error):
   early and the late chunk's masked calls repeat to the query heads, 2 x dim x (cp + 1/2).
   Selective 'op' AC keeps the matmul and SDPA outputs and the block input (CP's K/V are gathered
   again in backward); full AC keeps the block input; selective 'N' makes every Nth block full
-  AC. With AC one block's full activations are rebuilt in backward. Eager, one more block's worth
-  is allowed for gradient buffers; compiled, none (the fused backward frees saved tensors as it
-  makes their gradients).
+  AC. With AC one block's full activations are rebuilt in backward. Eager, a block's backward
+  peaks in its FFN, holding two [tokens, ffn] gradients beside the block's saved tensors (torch's
+  MemTracker on CPU, no AC and full AC: the saved set + 2 x ffn, to the MiB); compiled, none
+  (the fused backward frees saved tensors as it makes their gradients).
 - Masks: SDPA turns a bool mask into an additive bias in the activation dtype, which its kernel
   keeps for backward (CPU's flash, CUDA's memory-efficient and cuDNN kernels all take the bias in
   their backward). A block holds, per microbatch, [rows, seq, seq] for a dense document mask (the
@@ -314,7 +315,7 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
 
 def activation_bytes(s: MemorySetup) -> float:
     """Saved activations of this rank's blocks for every microbatch in flight, plus one block
-    rebuilt by AC, plus (eager) one block of gradient buffers, plus the masks. Compiled, none:
+    rebuilt by AC, plus (eager) the FFN's backward's gradients, plus the masks. Compiled, none:
     on an H200 (8B's blocks, full AC, 32K-128K tokens) the live peak was 2-6% above the
     estimate without them."""
     share = s.share
@@ -331,7 +332,7 @@ def activation_bytes(s: MemorySetup) -> float:
     else:
         n_ckpt = n // int(s.selective_ac_option)
         kept, rebuilt, masked = n_ckpt * ckpt + (n - n_ckpt) * full, full, n - n_ckpt
-    grad_buffers = 0.0 if s.compiled else full
+    grad_buffers = 0.0 if s.compiled else 2 * s.model_args.ffn_hidden_dim / s.tp * act
     tokens = s.local_tokens * (kept * share.in_flight + rebuilt + grad_buffers)
     biases = (masked * share.in_flight + (s.ac_mode != "none")) * mask_bias_bytes(s)
     return tokens + biases + bool_mask_bytes(s)
