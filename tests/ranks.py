@@ -8,10 +8,12 @@ output, as torchrun would start, less the imports. torchrun itself (its agent, r
 is tested as users launch it, by run_train and tests/integration/test_launch.py.
 """
 
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,9 +44,21 @@ def run_ranks(script, args, nproc: int, env: dict, timeout: float, free_port):
             target_args = (str(script), [str(a) for a in args], rank_env, str(logs / str(rank)))
             procs.append(ctx.Process(target=_rank_main, args=target_args))
             procs[-1].start()
-        returncode = _wait(procs, timeout, [str(script), *map(str, args)])
+        cmd = [str(script), *map(str, args)]
+        try:
+            returncode = _wait(procs, timeout, cmd)
+        except subprocess.TimeoutExpired:
+            raise RanksTimedOut(cmd, timeout, stderr=_tails(logs, nproc)) from None
         stdout, stderr = (_joined(logs, nproc, stream) for stream in ("out", "err"))
     return subprocess.CompletedProcess([script, *args], returncode, stdout, stderr)
+
+
+class RanksTimedOut(subprocess.TimeoutExpired):
+    """A launch that ran out of time, with where each rank was: its Python stacks, dumped when
+    it was stopped, and the end of its stderr (a hang otherwise leaves nothing to read)."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; each rank's stderr ends:\n{self.stderr}"
 
 
 def _start_forkserver(ctx) -> None:
@@ -71,12 +85,23 @@ def _joined(logs: Path, nproc: int, stream: str) -> str:
     return "".join((logs / f"{rank}.{stream}").read_text(errors="replace") for rank in range(nproc))
 
 
+def _tails(logs: Path, nproc: int, chars: int = 3000) -> str:
+    """The end of each rank's stderr, in rank order."""
+    parts = []
+    for rank in range(nproc):
+        err = logs / f"{rank}.err"
+        text = err.read_text(errors="replace") if err.exists() else ""
+        parts.append(f"--- rank {rank} ---\n{text[-chars:]}")
+    return "".join(parts)
+
+
 def _rank_main(script: str, argv: list, env: dict, log_prefix: str) -> None:
     """One rank, in its fork: the environment, output to files, the script as __main__."""
     os.environ.clear()
     os.environ.update(env)
     for fd, stream in ((1, "out"), (2, "err")):
         os.dup2(os.open(f"{log_prefix}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # _wait's timeout asks for stacks
     import torch
 
     # torchrun's OMP_NUM_THREADS=1 would only be read when the thread pool starts; the fork's
@@ -92,6 +117,10 @@ def _wait(procs, timeout: float, cmd: list) -> int:
     deadline = time.monotonic() + timeout
     while any(p.is_alive() for p in procs):
         if time.monotonic() > deadline:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(2)  # the stacks reach the ranks' stderr files
             _stop(procs)
             raise subprocess.TimeoutExpired(cmd, timeout)
         if any(p.exitcode not in (None, 0) for p in procs):
