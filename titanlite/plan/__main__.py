@@ -201,9 +201,8 @@ def print_runs(runs: list, device, constants) -> None:
         pred = calibrate.predicted_tps(r, device, constants)
         row = f"{r.folder:<40}{r.tokens_per_s:>10,.0f}{pred:>11,.0f}"
         row += f"{100 * (pred / r.tokens_per_s - 1):>7.1f}%"
-        for measured, live in ((r.memory_gib, False), (r.active_gib, True)):
+        for measured, live, width in ((r.memory_gib, False, 11), (r.active_gib, True, 10)):
             est = memory_gib(r.model, r.layout, live=live)
-            width = 11 if not live else 10
             if measured:
                 row += f"{measured:>8.1f}{est:>{width}.1f}{100 * (est / measured - 1):>7.1f}%"
             else:
