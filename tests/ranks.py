@@ -101,7 +101,8 @@ def _rank_main(script: str, argv: list, env: dict, log_prefix: str) -> None:
     os.environ.update(env)
     for fd, stream in ((1, "out"), (2, "err")):
         os.dup2(os.open(f"{log_prefix}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # _wait's timeout asks for stacks
+    # _wait's timeout asks for stacks; SIGUSR1 and SIGTERM are train.py's (save and stop).
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     import torch
 
     # torchrun's OMP_NUM_THREADS=1 would only be read when the thread pool starts; the fork's
@@ -119,7 +120,7 @@ def _wait(procs, timeout: float, cmd: list) -> int:
         if time.monotonic() > deadline:
             for p in procs:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGUSR1)
+                    os.kill(p.pid, signal.SIGUSR2)
             time.sleep(2)  # the stacks reach the ranks' stderr files
             _stop(procs)
             raise subprocess.TimeoutExpired(cmd, timeout)
