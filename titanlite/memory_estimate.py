@@ -344,8 +344,8 @@ def mask_bias_bytes(s: MemorySetup) -> float:
     if a.document_masking and a.attention_backend == "flex":
         return 0.0  # flex takes its block mask as it is
     rows = s.share.rows if a.document_masking else 1  # a causal mask is broadcast over rows
-    c = seq // (2 * cp)
-    return rows * (c * (2 * cp + 1) * c if cp > 1 else seq * seq * a.document_masking) * act
+    pairs = (seq // (2 * cp)) ** 2 * (2 * cp + 1) if cp > 1 else seq * seq  # query x key
+    return rows * pairs * act if cp > 1 or a.document_masking else 0.0
 
 
 def bool_mask_bytes(s: MemorySetup) -> float:
