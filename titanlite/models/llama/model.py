@@ -118,9 +118,10 @@ def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def fp32_backward(q: torch.Tensor) -> bool:
     """Whether attention's backward runs in fp32 (CpuFlashFp32Backward): for bf16 on CPU at
     head_dim <= 32. There torch's bf16 CPU flash backward is the slower kernel (an AVX-512 BF16
-    machine, batch 8 x 256 tokens at width 256, 2 threads: 40 against 27 ms with the casts at
-    head_dim 16, 25 against 16 at 32; at 64 and 128 bf16 is 7% and 26% faster) and the less exact
-    one (gradients 3.5e-3 off an fp64 backward, relative, against 1.9e-3)."""
+    machine, 8 x 256 tokens at width 256, 2 threads: 26 against 16 ms with the casts at head_dim
+    16, 17 against 13 at 32; equal at 64, 13% faster at 128: scripts/bench_cpu_attention.py), and
+    at every head_dim the less exact one (gradients 3.5e-3 off an fp64 backward, relative,
+    against 1.9e-3)."""
     return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] <= 32
 
 
