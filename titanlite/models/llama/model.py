@@ -149,8 +149,8 @@ class CpuFlashFp32Backward(torch.autograd.Function):
         fp32 = [t.float() for t in (grad_out, q, k, v, out)]
         bias = None if bias is None else bias.float()
         dq, dk, dv = flash_backward(*fp32, lse, 0.0, bias is None, attn_mask=bias)
-        # [b, hkv * n_rep, s, hd] -> [b, hkv, s, hd]: each kv head's query heads are adjacent.
-        dk, dv = (g.unflatten(1, (-1, ctx.n_rep)).sum(2) for g in (dk, dv))
+        if ctx.n_rep > 1:  # [b, hkv * n_rep, s, hd] -> [b, hkv, s, hd]: query heads adjacent
+            dk, dv = (g.unflatten(1, (-1, ctx.n_rep)).sum(2) for g in (dk, dv))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
