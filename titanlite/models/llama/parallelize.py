@@ -273,9 +273,13 @@ def apply_fsdp(
         )  # fmt: skip
     # The root keeps FSDP's root default (no reshard): its params are needed first in backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            _set_sum_reduction(module)
+    # On one rank FSDP already sums (it reduces nothing); a divide factor there, even 1, makes it
+    # divide each block's whole gradient into a new buffer and copy that (torch's one-rank path):
+    # 2-3% of a bf16 step of the debug model on a CPU.
+    if mesh.size() > 1:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                _set_sum_reduction(module)
 
 
 def _set_sum_reduction(module: FSDPModule) -> None:
