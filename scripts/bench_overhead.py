@@ -22,6 +22,7 @@ zero_grad): everything train.py's loop does per step except logging every log_fr
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -110,8 +111,9 @@ def time_steps(fn, n: int, device: torch.device) -> list[float]:
 def report_floor(trainer, step_seconds: float) -> None:
     floor, rows = time_kernels(record_kernels(trainer.train_step), trainer.device)
     print("kernel floor (each call alone, median of 5, summed over one step):")
-    for name, calls, secs in rows:
-        print(f"  {name:<52} {calls:4d} calls {secs * 1e3:9.2f} ms")
+    for name, calls, secs, rate in rows:
+        gflops = f" ({rate / 1e9:.0f} GFLOP/s)" if rate else ""
+        print(f"  {name:<52} {calls:4d} calls {secs * 1e3:9.2f} ms{gflops}")
     print(f"floor {floor * 1e3:.1f} ms, titanlite step {step_seconds * 1e3:.1f} ms")
     print(f"step/floor {step_seconds / floor:.2f}")
 
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
     if opts.rounds < 3:
         raise SystemExit("--rounds must be >= 3 (medians of fewer mean little)")
     if opts.threads:
+        # The trainer's start sets cores // local processes threads unless OMP_NUM_THREADS is set.
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads)
         torch.set_num_threads(opts.threads)
     trainer = build_trainer(opts)
     bare_step = build_bare(trainer, opts)

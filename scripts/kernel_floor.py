@@ -4,14 +4,23 @@
     calls = record_kernels(lambda: trainer.train_step())     # one eager step, calls recorded
     floor = time_kernels(calls, device)                       # seconds, and a table per op
 
+    python scripts/kernel_floor.py [--procs 2]   # this machine's own matmul rate, for comparison
+
 A step can be no faster than the compute kernels it launches; everything else (norms, RoPE,
 activations, casts, the optimizer, Python) is what a framework adds or could fuse away. The
 recorder sees each aten matmul and attention call (forward and backward) with its shapes,
 strides and dtypes; the replay runs each distinct call on fresh random tensors of the same
 layout, in a loop, with nothing else around it, so the floor is what those kernels cost on this
 machine with warm caches. step / floor is then the headroom a step has left.
+
+Run as a script it measures how fast this machine multiplies at best: a 2048 x 2048 x 2048
+matmul in fp32 and bf16, on 1 thread, on all threads, and in --procs one-thread processes at once
+(the figure a data-parallel run of that many processes can reach). A floor whose GEMMs run at
+that rate cannot be lowered by any framework: only by fewer FLOPs.
 """
 
+import argparse
+import multiprocessing
 import statistics
 import time
 from collections import Counter
@@ -102,13 +111,73 @@ def time_call(func, args, kwargs, device, iters: int) -> float:
     return statistics.median(times)
 
 
+def gemm_flops(func, args) -> int:
+    """FLOPs of one recorded GEMM call (0 for attention): 2 m n k per product."""
+    packet = func.overloadpacket
+    if packet in (aten.addmm, aten.baddbmm):
+        args = args[1:]  # (bias, a, b)
+    if packet not in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm):
+        return 0
+    (a_shape, *_), (b_shape, *_) = args[0], args[1]
+    batch = a_shape[0] if len(a_shape) == 3 else 1
+    return 2 * batch * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
 def time_kernels(calls: Counter, device: torch.device, iters: int = 5):
-    """(floor seconds, rows): rows are (op, calls per step, seconds per step), slowest first."""
-    per_op = Counter()
-    n_calls = Counter()
+    """(floor seconds, rows): rows are (op, calls per step, seconds per step, FLOP/s or 0),
+    slowest first."""
+    per_op, n_calls, flops = Counter(), Counter(), Counter()
     for (func, args, kwargs), count in calls.items():
         name = func.overloadpacket.__name__
         per_op[name] += count * time_call(func, args, kwargs, device, iters)
         n_calls[name] += count
-    rows = [(name, n_calls[name], secs) for name, secs in per_op.most_common()]
+        flops[name] += count * gemm_flops(func, args)
+    rows = [(name, n_calls[name], secs, flops[name] / secs) for name, secs in per_op.most_common()]
     return sum(per_op.values()), rows
+
+
+def matmul_rate(dtype: torch.dtype, threads: int, n: int = 2048, calls: int = 5) -> float:
+    """FLOP/s of an n x n x n matmul on `threads` CPU threads, median of `calls`."""
+    torch.set_num_threads(threads)
+    a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
+    spec = (TensorSpec((a.shape, a.stride(), dtype, a.device)),) * 2
+    return 2 * n**3 / time_call(aten.mm.default, spec, (), torch.device("cpu"), calls)
+
+
+def _rate_in_process(dtype: torch.dtype, start, results) -> None:
+    start.wait()  # all processes multiply at the same time
+    results.put(matmul_rate(dtype, threads=1))
+
+
+def concurrent_rate(dtype: torch.dtype, procs: int) -> float:
+    """Summed FLOP/s of `procs` one-thread processes multiplying at once."""
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [
+        ctx.Process(target=_rate_in_process, args=(dtype, start, results)) for _ in range(procs)
+    ]
+    for w in workers:
+        w.start()
+    total = sum(results.get() for _ in workers)
+    for w in workers:
+        w.join()
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description="This machine's matmul rate (see the module docstring)."
+    )
+    p.add_argument("--procs", type=int, default=2, help="one-thread processes multiplying at once")
+    opts = p.parse_args()
+    cores = torch.get_num_threads()
+    for dtype in (torch.float32, torch.bfloat16):
+        one, all_threads = matmul_rate(dtype, 1), matmul_rate(dtype, cores)
+        together = concurrent_rate(dtype, opts.procs)
+        print(f"{str(dtype):<15} 1 thread {one / 1e9:7.1f} GFLOP/s | {cores} threads "
+              f"{all_threads / 1e9:7.1f} | {opts.procs} processes x 1 thread, summed "
+              f"{together / 1e9:7.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

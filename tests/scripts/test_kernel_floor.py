@@ -5,9 +5,10 @@ import sys
 
 import torch
 from conftest import REPO
+from torch import nn
 
 sys.path.insert(0, str(REPO / "scripts"))
-from kernel_floor import record_kernels, time_kernels  # noqa: E402
+from kernel_floor import gemm_flops, record_kernels, time_kernels  # noqa: E402
 
 from titanlite.models.llama.args import ModelArgs  # noqa: E402
 from titanlite.models.llama.model import Transformer  # noqa: E402
@@ -25,7 +26,8 @@ def test_a_step_records_three_matmuls_per_linear_and_one_attention_each_way_per_
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
-    calls = record_kernels(_step(model, torch.randint(0, 128, (2, 32))))
+    tokens = torch.randint(0, 128, (2, 32))
+    calls = record_kernels(_step(model, tokens))
     by_op = {}
     for (func, _, _), count in calls.items():
         name = func.overloadpacket.__name__
@@ -37,11 +39,20 @@ def test_a_step_records_three_matmuls_per_linear_and_one_attention_each_way_per_
         ("_scaled_dot_product_flash_attention_for_cpu", args.n_layers),
         ("_scaled_dot_product_flash_attention_for_cpu_backward", args.n_layers),
     ]
+    # Every linear's three products cost 2 x tokens x its weight's size each.
+    linear_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    flops = sum(count * gemm_flops(func, args) for (func, args, _), count in calls.items())
+    assert flops == 6 * tokens.numel() * linear_weights
     floor, rows = time_kernels(calls, torch.device("cpu"), iters=1)
-    assert floor > 0 and floor == sum(secs for _, _, secs in rows)
-    assert {name for name, _, _ in rows} == {
+    assert floor > 0 and floor == sum(secs for _, _, secs, _ in rows)
+    assert {name: rate > 0 for name, _, _, rate in rows} == {
+        "mm": True,
+        "_scaled_dot_product_flash_attention_for_cpu": False,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": False,
+    }
+    assert {name for name, _, _, _ in rows} == {
         "mm",
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention_for_cpu_backward",
     }
-    assert sum(n for name, n, _ in rows if name == "mm") == (7 * args.n_layers + 1) * 3
+    assert sum(n for name, n, _, _ in rows if name == "mm") == (7 * args.n_layers + 1) * 3
