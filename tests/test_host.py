@@ -72,3 +72,44 @@ def test_garbage_collection_runs_every_freq_steps_and_automatic_collection_comes
         for step in range(1, 8):
             garbage.step(step)
     assert calls == [1, 1, 1] and gc.isenabled()  # steps 3 and 6
+
+
+# Heap bytes (glibc's mallinfo2 `arena`) a freed 24 MiB tensor leaves behind, with or without
+# keep_freed_memory() first: kept in the heap for reuse, or mapped and unmapped by itself.
+_FREED_BLOCK = """
+import ctypes, sys
+import torch
+from titanlite.host import keep_freed_memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+took = keep_freed_memory() if sys.argv[1] == "keep" else None
+before = libc.mallinfo2().arena
+block = torch.ones(24 * 2**20 // 4)
+del block
+print(took, libc.mallinfo2().arena - before)
+"""
+
+
+def _freed_block(mode: str, env: dict) -> tuple[str, int]:
+    cmd = [sys.executable, "-c", _FREED_BLOCK, mode]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33"
+)
+def test_freed_memory_stays_in_the_heap_for_the_next_step_unless_the_user_set_malloc():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    assert _freed_block("keep", env) == ("True", pytest.approx(24 * 2**20, rel=0.01))
+    # glibc's default: a block that large is mapped for itself and handed back when freed.
+    assert _freed_block("default", env)[1] < 2**20
+    # The user's own malloc settings win.
+    user = dict(env, MALLOC_TRIM_THRESHOLD_=str(128 * 1024))
+    assert _freed_block("keep", user) == ("False", pytest.approx(0, abs=2**20))

@@ -17,7 +17,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from titanlite.host import cpus_per_local_rank
+from titanlite.host import cpus_per_local_rank, keep_freed_memory
 
 
 def init_distributed(
@@ -40,10 +40,13 @@ def init_distributed(
     device, backend = device_and_backend(local_rank, cpu_backend, torch.cuda.is_available())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        # N ranks on one host each defaulting to all cores oversubscribe the CPU badly; an explicit
-        # OMP_NUM_THREADS (torchrun sets 1 when it starts >1 process) is the user's choice and wins.
-        torch.set_num_threads(cpus_per_local_rank())
+    else:
+        keep_freed_memory()
+        if "OMP_NUM_THREADS" not in os.environ:
+            # N ranks on one host each defaulting to all cores oversubscribe the CPU badly; an
+            # explicit OMP_NUM_THREADS (torchrun sets 1 when it starts >1 process) is the user's
+            # choice and wins.
+            torch.set_num_threads(cpus_per_local_rank())
 
     if not dist.is_initialized():
         # A device_id makes NCCL form the communicator now, and the mesh's groups split from it
