@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = cores // processes)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="steps per block")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (>= 3)")
@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     opts = p.parse_args(argv)
     if opts.rounds < 3:
         raise SystemExit("--rounds must be >= 3 (medians of fewer mean little)")
+    if opts.threads < 0:
+        raise SystemExit(f"--threads must be >= 0 (0 = the trainer's default), got {opts.threads}")
     if opts.threads:
         # The trainer's start sets cores // local processes threads unless OMP_NUM_THREADS is set.
         os.environ["OMP_NUM_THREADS"] = str(opts.threads)

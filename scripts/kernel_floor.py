@@ -170,6 +170,8 @@ def main() -> None:
     )
     p.add_argument("--procs", type=int, default=2, help="one-thread processes multiplying at once")
     opts = p.parse_args()
+    if opts.procs < 1:
+        p.error(f"--procs must be at least 1, got {opts.procs}")
     cores = torch.get_num_threads()
     for dtype in (torch.float32, torch.bfloat16):
         one, all_threads = matmul_rate(dtype, 1), matmul_rate(dtype, cores)
