@@ -39,8 +39,8 @@ error):
   output, which wo's input views (a copy under CP), w1/w3 outputs, silu output, the gated product;
   SDPA keeps k and v with their kv heads, 2 x kv_dim, or repeated to the query heads, 2 x dim, on
   CPU and where a dense document mask makes attention repeat them), plus fp32 scalars: each norm's
-  rstd and SDPA's logsumexp per head. On CPU nn.RMSNorm is composite: each saves its input upcast
-  to fp32 and x * rstd in fp32, whatever the compute dtype. RoPE's rotation, [seq, head_dim / 2]
+  rstd and SDPA's logsumexp per head (on CPU too: model.RMSNorm keeps what CUDA's fused kernel
+  does, not the fp32 copies of torch's composite). RoPE's rotation, [seq, head_dim / 2]
   complex per block and microbatch whatever the batch, is left out (under 1%). Under TP with
   sequence parallel everything but the two all-gathered norm outputs is divided by tp (all of it
   measured to the byte on CPU, bf16 and fp32, TP 1 and 2, and CP 2). Under CP a rank holds seq_len
@@ -278,9 +278,8 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     fp32 = 4 / DTYPE_BYTES[s.param_dtype]  # an fp32 element, in elements of the compute dtype
     # SP: norm inputs/outputs are sequence-sharded; their all-gathered copies (the linears'
     # saved inputs) are whole; everything inside attention/FFN is head/column-sharded.
-    # attention_norm's and ffn_norm's inputs (the residual stream) and fp32 rstd; CPU's
-    # composite RMSNorm saves its input upcast to fp32 and x * rstd (fp32) instead.
-    norm_io = 2 * ((2 * fp32 if s.device == "cpu" else 1) * dim + fp32) / tp
+    # attention_norm's and ffn_norm's inputs (the residual stream) and fp32 rstd.
+    norm_io = 2 * (dim + fp32) / tp
     gathered = 2 * dim  # norm outputs as the column-parallel linears save them
     # SDPA's k and v (model.sdpa): the kv heads, or repeated to the query heads for a mask (CP's
     # chunks, a dense document mask) and on CPU. Under CP the whole sequence's, gathered: one

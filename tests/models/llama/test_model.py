@@ -112,6 +112,47 @@ def test_cpu_bf16_attention_forward_is_sdpa_and_backward_is_fp32(masked, n_kv_he
         assert (t.grad.double() - ref.grad).norm() < 1.5 * one_rounding
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rmsnorm_forward_is_torchs_and_backward_is_exact(dtype):
+    """On CPU model.RMSNorm's output is nn.RMSNorm's bitwise; its gradients, computed in fp32 and
+    rounded once, are off the fp64 backward by no more than torch's own (bf16: within 1.5x the
+    error of rounding the exact gradient once); it keeps the input and an fp32 rstd per row."""
+    g = torch.Generator().manual_seed(0)
+    x, grad_out = (3 * torch.randn(4, 16, 64, generator=g).to(dtype) for _ in range(2))
+    ours, torchs = model_module.RMSNorm(64, eps=1e-5), torch.nn.RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        torchs.weight.copy_(0.5 + torch.rand(64, generator=g))
+        ours.weight.copy_(torchs.weight)
+    ours, torchs = ours.to(dtype), torchs.to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = ours(x.clone().requires_grad_())
+    assert [(t.shape, t.dtype) for t in saved] == [
+        (x.shape, dtype),
+        ((64,), dtype),
+        ((4, 16, 1), torch.float32),
+    ]
+    assert torch.equal(out, torchs(x))
+    exact_x, exact_w = x.double().requires_grad_(), torchs.weight.double().detach().requires_grad_()
+    rstd = torch.rsqrt(exact_x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    (exact_x * rstd * exact_w).backward(grad_out.double())
+
+    def grads(module):
+        x_ = x.clone().requires_grad_()
+        module(x_).backward(grad_out)
+        return x_.grad, module.weight.grad
+
+    def error(t, ref):
+        return (t.double() - ref).norm()
+
+    for t, t_torch, ref in zip(grads(ours), grads(torchs), (exact_x.grad, exact_w.grad)):
+        assert t.dtype == dtype
+        if dtype == torch.float32:
+            assert error(t, ref) <= 1.5 * error(t_torch, ref)
+        else:
+            assert error(t, ref) < 1.5 * error(ref.to(dtype), ref)
+
+
 def test_logits_shape_and_dtype():
     model = build()
     logits = model(tokens())

@@ -276,12 +276,55 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm, with a backward of its own on CPU.
+
+    On a GPU torch runs one fused kernel each way. On CPU it runs the composite (upcast, pow,
+    mean, rsqrt, two products), and autograd differentiates each op: expanded gradients, mixed
+    bf16 x fp32 products, and an fp32 copy of the input and of x * rstd kept per norm. Here the
+    forward is the same ops (bitwise the same output) but keeps only the input and rstd, and the
+    backward is the closed form in fp32, rounded once: on the debug model's [8, 256, 256] norms,
+    one thread, fwd + bwd 2.3 -> 1.35 ms in bf16, 1.9 -> 1.1 ms in fp32, and 6 fewer bytes kept
+    per element in bf16. Compiled, inductor fuses the composite: it stays.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return super().forward(x)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return _CpuRMSNorm.apply(x, self.weight, eps)
+
+
+class _CpuRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()  # x itself when x is fp32: nothing below writes into it
+        rstd = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.mul(xf, rstd).mul_(weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # y = xhat * w, xhat = x * rstd: dx = rstd * (g w - xhat * mean(g w xhat)), dw = sum g xhat.
+        # Every operand is made fp32 first: torch's CPU kernels for bf16 x fp32 are unvectorized.
+        x, weight, rstd = ctx.saved_tensors
+        g = grad.float()
+        xhat = x.to(torch.float32, copy=True).mul_(rstd)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.mul(g, xhat).sum(tuple(range(x.dim() - 1))).to(weight.dtype)
+        gw = g * weight.float()
+        mean = torch.mul(gw, xhat).mean(-1, keepdim=True)
+        dx = gw.sub_(xhat.mul_(mean)).mul_(rstd)
+        return dx.to(x.dtype), dw, None
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask=None) -> torch.Tensor:
@@ -300,7 +343,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so checkpoints stay Meta-compatible.
         self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
