@@ -277,7 +277,8 @@ class FeedForward(nn.Module):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm, with a backward of its own on CPU.
+    """nn.RMSNorm as the model builds it (over the last dim, with a weight), with a backward
+    of its own on CPU.
 
     On a GPU torch runs one fused kernel each way. On CPU it runs the composite (upcast, pow,
     mean, rsqrt, two products), and autograd differentiates each op: expanded gradients, mixed
