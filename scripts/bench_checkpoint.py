@@ -176,6 +176,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.saves < 2:
         p.error("--saves must be at least 2: the first save and the later ones are reported apart")
+    if a.folder and not Path(a.folder).is_dir():
+        p.error(f"--folder {a.folder}: no such directory (create it, or leave --folder out)")
     if a.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         p.error("--cold empties the page cache through /proc/sys/vm/drop_caches: Linux, as root")
     logging.basicConfig(level=logging.WARNING)
