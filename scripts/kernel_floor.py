@@ -22,11 +22,17 @@ that rate cannot be lowered by any framework: only by fewer FLOPs.
 import argparse
 import multiprocessing
 import statistics
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from titanlite.precision import has_fast_bf16  # noqa: E402
 
 aten = torch.ops.aten
 # The ops whose time is the step's irreducible compute: GEMMs and attention, forward and backward
@@ -164,16 +170,21 @@ def concurrent_rate(dtype: torch.dtype, procs: int) -> float:
     return total
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         description="This machine's matmul rate (see the module docstring)."
     )
     p.add_argument("--procs", type=int, default=2, help="one-thread processes multiplying at once")
-    opts = p.parse_args()
+    opts = p.parse_args(argv)
     if opts.procs < 1:
         p.error(f"--procs must be at least 1, got {opts.procs}")
     cores = torch.get_num_threads()
     for dtype in (torch.float32, torch.bfloat16):
+        if dtype == torch.bfloat16 and not has_fast_bf16(torch.device("cpu")):
+            # Emulated bf16 multiplies at ~1 GFLOP/s: each timed call would take ~17 s, the
+            # whole row minutes, for a rate no run uses (auto precision computes in fp32 here).
+            print(f"{str(dtype):<15} not timed: emulated on this CPU (no AVX512-BF16 or AMX)")
+            continue
         one, all_threads = matmul_rate(dtype, 1), matmul_rate(dtype, cores)
         together = concurrent_rate(dtype, opts.procs)
         print(f"{str(dtype):<15} 1 thread {one / 1e9:7.1f} GFLOP/s | {cores} threads "

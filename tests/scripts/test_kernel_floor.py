@@ -8,6 +8,7 @@ from conftest import REPO
 from torch import nn
 
 sys.path.insert(0, str(REPO / "scripts"))
+import kernel_floor  # noqa: E402
 from kernel_floor import gemm_flops, record_kernels, time_kernels  # noqa: E402
 
 from titanlite.models.llama.args import ModelArgs  # noqa: E402
@@ -56,3 +57,22 @@ def test_a_step_records_three_matmuls_per_linear_and_one_attention_each_way_per_
         "_scaled_dot_product_flash_attention_for_cpu_backward",
     }
     assert sum(n for name, n, _, _ in rows if name == "mm") == (7 * args.n_layers + 1) * 3
+
+
+def test_the_machine_rate_skips_bf16_where_it_is_emulated(monkeypatch, capsys):
+    timed = []
+    monkeypatch.setattr(
+        kernel_floor, "matmul_rate", lambda dtype, threads: timed.append(dtype) or 1e9
+    )
+    monkeypatch.setattr(kernel_floor, "concurrent_rate", lambda dtype, procs: 2e9)
+    for fast, expected in (
+        (True, [torch.float32] * 2 + [torch.bfloat16] * 2),
+        (False, [torch.float32] * 2),
+    ):
+        timed.clear()
+        monkeypatch.setattr(kernel_floor, "has_fast_bf16", lambda device, fast=fast: fast)
+        kernel_floor.main(["--procs", "2"])
+        assert timed == expected
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "torch.bfloat16  not timed: emulated on this CPU (no AVX512-BF16 or AMX)"
+    assert out[-2].startswith("torch.float32   1 thread     1.0 GFLOP/s")
