@@ -138,19 +138,33 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, dist_env):
         self.cfg = cfg
-        t, ckpt = cfg.training, cfg.checkpoint
         self.rank, _, self.world_size, self.device = dist_env
+        job = self._check_job()
+        # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
+        load_plan = plan_load(cfg.checkpoint, cfg.job.dump_folder)
+        self.parallel_dims.build_mesh(self.device.type)
+        val_loader = self._build_data(job)
+        # No weights are drawn that the checkpoint would overwrite (hours at 405B).
+        self._build_model(job, draw_weights=load_plan is None)
+        self._build_services(val_loader)
+        self._build_metrics()
+        self._resume(load_plan)
+
+    def _check_job(self):
+        """Every check across options, before anything is built; the layout if planned here."""
+        cfg = self.cfg
         if cfg.parallelism.plan == "auto":
             plan_layout(cfg, self.world_size, self.device)
         job = check_run(cfg, self.world_size, self.device)
-        pd = self.parallel_dims = job.parallel_dims
+        self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Logged with the first step's metrics, so that plan --calibrate can set it beside them.
         self.prediction = prediction(cfg, self.world_size, self.model_args, self.device)
-        # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
-        load_plan = plan_load(ckpt, cfg.job.dump_folder)
-        pd.build_mesh(self.device.type)
+        return job
 
+    def _build_data(self, job):
+        """The training loader and its sample-id log; returns the validation loader (or None)."""
+        cfg, t, pd = self.cfg, self.cfg.training, self.parallel_dims
         ranks = dict(dp_rank=pd.dp_rank, dp_degree=pd.dp_degree)
         vocab = self.model_args.vocab_size
         self.loader = build_train_loader(
@@ -161,11 +175,13 @@ class Trainer:
         self.sample_ids = SampleIdLog(
             cfg.debug.log_sample_ids, cfg.job.dump_folder, self.rank == self.log_rank, self.loader
         )
-        val_loader = None
-        if cfg.validation.enable:
-            val_loader = build_validation_loader(
-                t, cfg.validation, job.tokenizer, **ranks, vocab_size=vocab
-            )
+        if not cfg.validation.enable:
+            return None
+        return build_validation_loader(t, cfg.validation, job.tokenizer, **ranks, vocab_size=vocab)
+
+    def _build_model(self, job, draw_weights: bool):
+        """The parallelized model on this device, its optimizer and LR schedule."""
+        cfg, t, pd = self.cfg, self.cfg.training, self.parallel_dims
         self.compute_dtype = resolve_param_dtype(t.mixed_precision_param, self.device)
         apply_tf32(t.allow_tf32, self.device)
         # FSDP can skip the reduce-scatter of all but the last microbatch (more memory).
@@ -176,12 +192,11 @@ class Trainer:
         self.forward_backward = forward_backward if job.pipeline is None else (
             pipeline_forward_backward
         )  # fmt: skip
-        # No weights are drawn that the checkpoint would overwrite (hours at 405B).
-        init_model(cfg, self.model, self.device, draw_weights=load_plan is None)
+        init_model(cfg, self.model, self.device, draw_weights=draw_weights)
         logger.info(
             "model %s %s: %s parameters, vocab %d, world %d %s, compute %s",
             cfg.model.name, cfg.model.flavor, f"{count_params(cfg, self.model_args, False):,}",
-            vocab, self.world_size, pd, self.compute_dtype,
+            self.model_args.vocab_size, self.world_size, pd, self.compute_dtype,
         )  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.after_optimizer_step = float8_after_optimizer_step(cfg)
@@ -189,37 +204,49 @@ class Trainer:
             self.optimizer, cfg.optimizer, t.max_norm, self.device
         )
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+
+    def _build_services(self, val_loader):
+        """What the loop asks each step: checkpoints, collective timeouts, preemption and
+        validation."""
+        cfg, steps = self.cfg, self.cfg.training.steps
         self.state = TrainState()
         self.checkpointer = CheckpointManager(
-            ckpt, cfg.job.dump_folder, self.model, self.optimizer, self.scheduler, self.loader,
-            self.state, dp_degree=pd.dp_degree, last_step=t.steps,
+            cfg.checkpoint, cfg.job.dump_folder, self.model, self.optimizer, self.scheduler,
+            self.loader, self.state, dp_degree=self.parallel_dims.dp_degree, last_step=steps,
             n_layers=self.model_args.n_layers,
         )  # fmt: skip
         self.timeouts = CollectiveTimeouts(cfg.comm, keep=(self.checkpointer.process_group,))
         self.preemption = Preemption()
-        val_schedule = Every(cfg.validation.freq, t.steps, enabled=val_loader is not None)
+        val_schedule = Every(cfg.validation.freq, steps, enabled=val_loader is not None)
         self.validator = Validator(
-            val_loader, cfg.validation, val_schedule, self.model_context, pd, self.device
-        )
-        self.log_schedule = Every(cfg.metrics.log_freq, t.steps, first=True)
+            val_loader, cfg.validation, val_schedule, self.model_context, self.parallel_dims,
+            self.device,
+        )  # fmt: skip
+
+    def _build_metrics(self):
+        """Loggers, the memory monitor, the slow-rank finder and the FLOP counts behind MFU."""
+        cfg, m = self.cfg, self.cfg.metrics
+        self.log_schedule = Every(m.log_freq, cfg.training.steps, first=True)
         self.block_names = None
-        if cfg.metrics.log_layer_grad_norms:
+        if m.log_layer_grad_norms:
             self.block_names = block_names(self.model_args.n_layers)
         self.metrics = MetricsLogger(
-            cfg.metrics, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict()
+            m, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict()
         )
         self.memory = DeviceMemoryMonitor(self.device)
-        m = cfg.metrics
         self.slow_ranks = SlowRankFinder(
             self.world_size, self.device, m.slow_rank_threshold_pct, m.slow_rank_patience,
             local_numel(self.model), warns=self.rank == self.log_rank,
         )  # fmt: skip
         self.peak_flops = get_peak_flops(
-            self.device, self.compute_dtype, cfg.metrics.peak_tflops, float8_enabled(cfg)
+            self.device, self.compute_dtype, m.peak_tflops, float8_enabled(cfg)
         )
         self.flops_per_token = get_family(cfg.model.name).flops_per_token(
-            count_params(cfg, self.model_args, exclude_embedding=True), self.model_args, t.seq_len
-        )
+            count_params(cfg, self.model_args, exclude_embedding=True), self.model_args,
+            cfg.training.seq_len,
+        )  # fmt: skip
+
+    def _resume(self, load_plan):
         try:
             self.checkpointer.load(load_plan)
         except BaseException:
