@@ -14,11 +14,13 @@ from torch.torch_version import TorchVersion
 from titanlite.build import model_args_for
 from titanlite.config import (
     Checkpoint,
+    Comm,
     ConfigError,
     JobConfig,
     Metrics,
     Optimizer,
     Training,
+    Validation,
     valid_selective_ac_option,
 )
 from titanlite.data.cache import cache_root
@@ -35,7 +37,35 @@ def check_options(cfg: JobConfig) -> None:
     """Checks across options that need no world size (parse_args runs them; single options are
     checked as they are read)."""
     get_family(cfg.model.name)  # a registered model family
-    ckpt, ac = cfg.checkpoint, cfg.activation_checkpoint
+    _check_checkpoint(cfg.checkpoint)
+    _check_comm(cfg.comm)
+    ratio = cfg.lr_scheduler.decay_ratio
+    if ratio != -1 and not 0 <= ratio <= 1:
+        raise ConfigError(
+            f"lr_scheduler.decay_ratio must be in [0, 1], or -1 for all steps after warmup; "
+            f"got {ratio}"
+        )
+    _check_data(cfg.training, cfg.validation)
+    ac = cfg.activation_checkpoint
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and not valid_selective_ac_option(option):
+        raise ConfigError(
+            "activation_checkpoint.selective_ac_option must be 'op', 'op_alternate' or a positive "
+            f"integer N (checkpoint every Nth block), got {option!r}"
+        )
+    _check_early_step(cfg.optimizer, cfg.training, cfg.metrics)
+    _check_wandb_installed(cfg.metrics)
+    if cfg.parallelism.context_parallel_rotate_method == "alltoall":
+        # torchtitan's ring exchange: the same bytes as one all-gather, sent in cp - 1 steps
+        # that overlap attention, never holding the whole sequence's K/V. titanlite gathers it
+        # (the memory estimator counts that K/V).
+        raise ConfigError(
+            "parallelism.context_parallel_rotate_method alltoall (ring attention, K/V passed "
+            "between CP ranks) is not implemented: titanlite all-gathers K/V; use allgather"
+        )
+
+
+def _check_checkpoint(ckpt: Checkpoint) -> None:
     if ckpt.load_step >= 0 and not ckpt.enable:
         raise ConfigError(
             f"--checkpoint.load_step {ckpt.load_step} needs --checkpoint.enable (resuming reads "
@@ -47,7 +77,9 @@ def check_options(cfg: JobConfig) -> None:
             "--checkpoint.create_seed_checkpoint writes fresh weights; it cannot be combined with "
             "checkpoint.initial_load_path or checkpoint.load_step"
         )
-    comm = cfg.comm
+
+
+def _check_comm(comm: Comm) -> None:
     if comm.mode == "fake_backend" and not comm.fake_rank < comm.fake_world_size:
         raise ConfigError(
             f"--comm.mode fake_backend plays rank comm.fake_rank ({comm.fake_rank}) of "
@@ -61,13 +93,9 @@ def check_options(cfg: JobConfig) -> None:
             "comm.fake_world_size / comm.fake_rank / comm.fake_init_weights only apply to a dry "
             "run: add --comm.mode fake_backend"
         )
-    ratio = cfg.lr_scheduler.decay_ratio
-    if ratio != -1 and not 0 <= ratio <= 1:
-        raise ConfigError(
-            f"lr_scheduler.decay_ratio must be in [0, 1], or -1 for all steps after warmup; "
-            f"got {ratio}"
-        )
-    t, val = cfg.training, cfg.validation
+
+
+def _check_data(t: Training, val: Validation) -> None:
     streams_local = t.dataset_streaming and t.dataset in ("python_stdlib", "local")
     if streams_local and not t.dataset_path:
         raise ConfigError(
@@ -89,22 +117,6 @@ def check_options(cfg: JobConfig) -> None:
         raise ConfigError(  # torch's DataLoader refuses them too without workers
             "training.dataloader.persistent_workers and prefetch_factor apply to worker "
             "processes: set --training.dataloader.num_workers N (N > 0) or leave them unset"
-        )
-    option = ac.selective_ac_option
-    if ac.mode == "selective" and not valid_selective_ac_option(option):
-        raise ConfigError(
-            "activation_checkpoint.selective_ac_option must be 'op', 'op_alternate' or a positive "
-            f"integer N (checkpoint every Nth block), got {option!r}"
-        )
-    _check_early_step(cfg.optimizer, t, cfg.metrics)
-    _check_wandb_installed(cfg.metrics)
-    if cfg.parallelism.context_parallel_rotate_method == "alltoall":
-        # torchtitan's ring exchange: the same bytes as one all-gather, sent in cp - 1 steps
-        # that overlap attention, never holding the whole sequence's K/V. titanlite gathers it
-        # (the memory estimator counts that K/V).
-        raise ConfigError(
-            "parallelism.context_parallel_rotate_method alltoall (ring attention, K/V passed "
-            "between CP ranks) is not implemented: titanlite all-gathers K/V; use allgather"
         )
 
 
