@@ -326,17 +326,7 @@ class Trainer:
             self.model, microbatches, 1.0 / tokens, chunk_tokens=self.cfg.loss.chunk_tokens,
             sync_only_last=self.sync_only_last, context=self.model_context,
         )  # fmt: skip
-        block_norms = None
-        if self.step_in_backward is None:
-            params = list(self.model.parameters())
-            by_block = log and self.block_names is not None
-            groups = params_by_block(self.model, self.block_names) if by_block else [params]
-            # One computation for both: the global norm is the root of the blocks' squares.
-            squares = grad_square_sums(groups, self.parallel_dims.pp_mesh)
-            grad_norm = clip_by_total_(params, self.cfg.training.max_norm, squares.sum().sqrt())
-            block_norms = squares.sqrt().float() if by_block else None
-        else:  # every parameter was stepped in backward; the hooks summed the norm
-            grad_norm = self.step_in_backward.grad_norm()
+        grad_norm, block_norms = self.clip_gradients(by_block=log and self.block_names is not None)
         # The step's one host sync. A NaN/inf anywhere makes the global norm non-finite on every
         # rank, so all ranks take the same branch and bad weights are never stepped into (or,
         # stepped in backward, never trained on or saved). CPU offload: the norm is on the CPU.
@@ -365,6 +355,18 @@ class Trainer:
         return StepResult(
             loss_sum, tokens, grad_norm, block_norms, lr, stop, t_data, seconds, optimizer_seconds
         )
+
+    def clip_gradients(self, by_block: bool):
+        """Clip to training.max_norm by the global norm; returns it, and with `by_block` each
+        block's norm too (else None)."""
+        if self.step_in_backward is not None:  # every parameter was stepped in backward
+            return self.step_in_backward.grad_norm(), None  # the hooks summed the norm
+        params = list(self.model.parameters())
+        groups = params_by_block(self.model, self.block_names) if by_block else [params]
+        # One computation for both: the global norm is the root of the blocks' squares.
+        squares = grad_square_sums(groups, self.parallel_dims.pp_mesh)
+        grad_norm = clip_by_total_(params, self.cfg.training.max_norm, squares.sum().sqrt())
+        return grad_norm, squares.sqrt().float() if by_block else None
 
     def train_metrics(self, window: LogWindow) -> dict:
         """The last step's loss and grad norm (and its blocks' grad norms when measured);
@@ -411,6 +413,18 @@ def say_error(e: Exception):
     sys.stderr.write(f"titanlite: error: {e}\n")
 
 
+def start_process(cfg: JobConfig):
+    """This process's device and process group, its logger and its RNG, as the job asks."""
+    default_expandable_segments(os.environ, torch.cuda.is_available())
+    dist_env = init_distributed(cfg.training.enable_cpu_offload, cfg.comm.init_timeout_seconds)
+    init_logger(dist_env[0], int(os.environ.get("LOG_RANK", 0)))
+    torch.manual_seed(cfg.debug.seed)
+    if cfg.debug.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
+    return dist_env
+
+
 def main(argv=None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
@@ -426,14 +440,8 @@ def main(argv=None) -> int:
         except ConfigError as e:
             say_error(e)
             return 2
-    default_expandable_segments(os.environ, torch.cuda.is_available())
-    dist_env = init_distributed(cfg.training.enable_cpu_offload, cfg.comm.init_timeout_seconds)
+    dist_env = start_process(cfg)
     rank = dist_env[0]
-    init_logger(rank, int(os.environ.get("LOG_RANK", 0)))
-    torch.manual_seed(cfg.debug.seed)
-    if cfg.debug.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=cfg.debug.deterministic_warn_only)
     try:
         trainer = Trainer(cfg, dist_env)
     except (ConfigError, CheckpointError) as e:
