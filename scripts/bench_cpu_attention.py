@@ -2,7 +2,7 @@
 
     python scripts/bench_cpu_attention.py [--threads 2] [--rounds 6]
 
-titanlite's `sdpa` runs the backward of bf16 attention in fp32 on CPU at head_dim <= 32
+titanlite's `sdpa` runs the backward of bf16 attention in fp32 on CPU at head_dim <= 64
 (`fp32_backward` in titanlite/models/llama/model.py). This measures both sides of that choice:
 
 1. Per head_dim (16, 32, 64, 128; width 256, so 16 to 2 heads; batch 8 x 256 tokens, causal):

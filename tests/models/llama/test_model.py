@@ -83,6 +83,23 @@ def _repeated_kv_sdpa(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
+@pytest.mark.parametrize(
+    ("device", "dtype", "head_dim", "fp32"),
+    [
+        ("cpu", torch.bfloat16, 16, True),
+        ("cpu", torch.bfloat16, 64, True),  # no slower than bf16's and more exact
+        ("cpu", torch.bfloat16, 128, False),  # bf16's backward is the faster kernel there
+        ("cpu", torch.float32, 16, False),
+        ("meta", torch.bfloat16, 16, False),  # a GPU's kernels are not CPU flash's
+    ],
+)
+def test_attention_backward_runs_in_fp32_for_bf16_on_cpu_up_to_head_dim_64(
+    device, dtype, head_dim, fp32
+):
+    q = torch.empty(2, 4, 8, head_dim, dtype=dtype, device=device)
+    assert model_module.fp32_backward(q) == fp32
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("n_kv_heads", [8, 2])
 def test_cpu_bf16_attention_forward_is_sdpa_and_backward_is_fp32(masked, n_kv_heads):

@@ -117,12 +117,14 @@ def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def fp32_backward(q: torch.Tensor) -> bool:
     """Whether attention's backward runs in fp32 (CpuFlashFp32Backward): for bf16 on CPU at
-    head_dim <= 32. There torch's bf16 CPU flash backward is the slower kernel (an AVX-512 BF16
-    machine, 8 x 256 tokens at width 256, 2 threads: 26 against 16 ms with the casts at head_dim
-    16, 17 against 13 at 32; equal at 64, 13% faster at 128: scripts/bench_cpu_attention.py), and
-    at every head_dim the less exact one (gradients 3.5e-3 off an fp64 backward, relative,
-    against 1.9e-3)."""
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] <= 32
+    head_dim <= 64. Up to there torch's bf16 CPU flash backward is the slower kernel or no
+    faster (an AVX-512 BF16 machine, 8 x 256 tokens at width 256, with the casts, 1 / 2 threads:
+    50 / 27 against 27 / 15 ms at head_dim 16, 29 / 15 against 21 / 13 at 32, 20.4 / 10.1
+    against 19.3 / 9.9 at 64; 11-18% faster at 128: scripts/bench_cpu_attention.py), and at every
+    head_dim it is the less exact one (gradients 3.5e-3 off an fp64 backward, relative, against
+    1.9e-3). At 64 the casts take what the kernel saves (a width-768 model's step: the same time
+    either way), so there the reason is the exact gradients."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] <= 64
 
 
 class CpuFlashFp32Backward(torch.autograd.Function):
