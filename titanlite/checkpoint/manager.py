@@ -326,14 +326,7 @@ class CheckpointManager:
         saved = read_metadata(path)
         meta = self._read(path, {"meta": b""})["meta"] if "meta" in saved else b""
         meta = pickle.loads(meta) if meta else {"model_only": True}
-        parts = set() if weights_only or meta["model_only"] else set(EXCLUDABLE)
-        parts -= set(self.cfg.exclude_from_loading)
-        if not weights_only and not meta["model_only"]:
-            for part in sorted(set(self.cfg.exclude_from_loading)):
-                logger.warning(
-                    "%s not loaded (checkpoint.exclude_from_loading): %s", part, _FRESH[part]
-                )
-
+        parts = self._parts_to_load(weights_only or meta["model_only"])
         if "optimizer" in parts:
             msd, osd = get_state_dict(self.model, self.optimizer, options=_FLAT_OPTIMIZER)
             state = {"model": msd, "optimizer": osd}
@@ -350,8 +343,25 @@ class CheckpointManager:
         stream_key = self._stream_key(saved, meta) if "dataloader" in parts else None
         if stream_key is not None:
             state["dataloader_stream"] = {stream_key: b""}
-        state = self._read(path, state)
+        self._apply(self._read(path, state), parts, meta, rng_key, stream_key)
+        logger.info("Loaded %s from %s", ", ".join(["model", *sorted(parts)]), path)
+        return meta["step"] if "train_state" in parts else 0
 
+    def _parts_to_load(self, model_only: bool) -> set[str]:
+        """What besides the model this load restores: nothing for weights alone, else every
+        part the checkpoint has but those checkpoint.exclude_from_loading names (each said)."""
+        if model_only:
+            return set()
+        for part in sorted(set(self.cfg.exclude_from_loading)):
+            logger.warning(
+                "%s not loaded (checkpoint.exclude_from_loading): %s", part, _FRESH[part]
+            )
+        return set(EXCLUDABLE) - set(self.cfg.exclude_from_loading)
+
+    def _apply(
+        self, state: dict, parts: set[str], meta: dict, rng_key: str, stream_key: str | None
+    ) -> None:
+        """Put what was read into the model and the parts being restored."""
         if "optimizer" in parts:
             set_state_dict(
                 self.model, self.optimizer, options=_FLAT_OPTIMIZER,
@@ -375,8 +385,6 @@ class CheckpointManager:
             self.train_state.load_state_dict(pickle.loads(state["train_state"]))
             if "rng" in state:
                 _restore_rng(pickle.loads(state["rng"][rng_key]))
-        logger.info("Loaded %s from %s", ", ".join(["model", *sorted(parts)]), path)
-        return meta["step"] if "train_state" in parts else 0
 
     def _stream_key(self, saved: dict, meta: dict) -> str | None:
         """This dp rank's key under "dataloader_stream" when the loader is a sharded stream
