@@ -63,6 +63,7 @@ from titanlite.plan.run import plan_layout, prediction
 from titanlite.precision import apply_tf32, resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titanlite.shared_storage import check_job_folders_shared
 from titanlite.straggler import SlowRankFinder, local_numel, synchronize
 from titanlite.train_state import TrainState
 from titanlite.validate import Validator
@@ -140,6 +141,7 @@ class Trainer:
         self.cfg = cfg
         self.rank, _, self.world_size, self.device = dist_env
         job = self._check_job()
+        check_job_folders_shared(cfg)
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
         load_plan = plan_load(cfg.checkpoint, cfg.job.dump_folder)
         self.parallel_dims.build_mesh(self.device.type)

@@ -4,6 +4,7 @@ arithmetic), and the few that need the device."""
 
 import importlib.util
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
@@ -38,6 +39,7 @@ def check_options(cfg: JobConfig) -> None:
     checked as they are read)."""
     get_family(cfg.model.name)  # a registered model family
     _check_checkpoint(cfg.checkpoint)
+    _check_no_urls(cfg)
     _check_comm(cfg.comm)
     ratio = cfg.lr_scheduler.decay_ratio
     if ratio != -1 and not 0 <= ratio <= 1:
@@ -63,6 +65,24 @@ def check_options(cfg: JobConfig) -> None:
             "parallelism.context_parallel_rotate_method alltoall (ring attention, K/V passed "
             "between CP ranks) is not implemented: titanlite all-gathers K/V; use allgather"
         )
+
+
+def _check_no_urls(cfg: JobConfig) -> None:
+    """An object-store URL given as a folder would be taken as a relative path (`s3:/...` under
+    the working directory): the run would train and "save" where no other node can read."""
+    paths = {
+        "job.dump_folder": cfg.job.dump_folder,
+        "checkpoint.folder": cfg.checkpoint.folder,
+        "checkpoint.initial_load_path": cfg.checkpoint.initial_load_path,
+        "training.data_cache_dir": cfg.training.data_cache_dir,
+    }
+    for option, value in paths.items():
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value or ""):
+            raise ConfigError(
+                f"{option} {value!r} is a URL: titanlite reads and writes folders on a "
+                "filesystem only (object storage is not supported yet); give a path on storage "
+                "every node mounts, e.g. the bucket mounted with mountpoint-s3 or gcsfuse"
+            )
 
 
 def _check_checkpoint(ckpt: Checkpoint) -> None:
@@ -370,6 +390,12 @@ def check_output_folders(cfg: JobConfig) -> None:
     options passed their checks (a refused job leaves no folder behind), on every rank, rather
     than as a traceback at the first save or, for the token cache, as a build that fails on
     rank 0 while the other ranks wait out training.data_build_timeout_s."""
+    for what, folder in output_folders(cfg).items():
+        check_writable(what, folder)
+
+
+def output_folders(cfg: JobConfig) -> dict[str, Path]:
+    """The folders the job writes, by the option that names them."""
     t = cfg.training
     folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
     if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
@@ -378,8 +404,7 @@ def check_output_folders(cfg: JobConfig) -> None:
     if not (streamed or is_store(t.dataset_path)):
         cache = "the token cache (training.data_cache_dir or TITANLITE_CACHE)"
         folders[cache] = cache_root(t.data_cache_dir)
-    for what, folder in folders.items():
-        check_writable(what, folder)
+    return folders
 
 
 def check_writable(what: str, folder: Path) -> None:
