@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -149,7 +150,8 @@ class Trainer:
         # No weights are drawn that the checkpoint would overwrite (hours at 405B).
         self._build_model(job, draw_weights=load_plan is None)
         self._build_services(val_loader)
-        self._build_metrics()
+        folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+        self._build_metrics(resuming=load_plan is not None and load_plan.path.parent == folder)
         self._resume(load_plan)
 
     def _check_job(self):
@@ -225,16 +227,18 @@ class Trainer:
             self.device,
         )  # fmt: skip
 
-    def _build_metrics(self):
-        """Loggers, the memory monitor, the slow-rank finder and the FLOP counts behind MFU."""
+    def _build_metrics(self, resuming: bool):
+        """Loggers, the memory monitor, the slow-rank finder and the FLOP counts behind MFU;
+        `resuming` its own checkpoint, the run continues its W&B run."""
         cfg, m = self.cfg, self.cfg.metrics
         self.log_schedule = Every(m.log_freq, cfg.training.steps, first=True)
         self.block_names = None
         if m.log_layer_grad_norms:
             self.block_names = block_names(self.model_args.n_layers)
         self.metrics = MetricsLogger(
-            m, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict()
-        )
+            m, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict(),
+            resuming=resuming,
+        )  # fmt: skip
         self.memory = DeviceMemoryMonitor(self.device)
         self.slow_ranks = SlowRankFinder(
             self.world_size, self.device, m.slow_rank_threshold_pct, m.slow_rank_patience,
