@@ -1,8 +1,14 @@
 """TOML file + command line -> JobConfig: defaults < TOML file < command line, every option
-checked against its field's type, choices and limits as it is read (then the checks across
-options, titanlite/checks.py); suggestions for misspelled names; --help; the TOML dump.
+checked against its field's type, choices and limits as it is read; suggestions for misspelled
+names; --help; the TOML dump.
+
+A leaf: it loads nothing of titanlite but the config, so a script that only reads a config (a
+data-preparing worker, --help) does not load torch and the model. The checks across options
+(titanlite/checks.py check_options) are the caller's: train.py runs them at once, and
+titanlite/job.py resolve_job before it builds anything.
 """
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -13,9 +19,7 @@ from typing import Any
 
 import tomli_w
 
-from titanlite.checks import check_options
 from titanlite.config import ConfigError, JobConfig
-from titanlite.torchtitan_options import explain
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,6 +59,14 @@ MOVED = {
         "parallelism.disable_loss_parallel (inverted: loss parallel is on under TP by default)"
     ),
 }
+
+
+def explain(name: str) -> str | None:
+    """Why titanlite lacks the torchtitan option `name`, or None. Read only for a name that is
+    not an option, so that a config that parses loads no more of titanlite than the config."""
+    from titanlite.torchtitan_options import explain as torchtitan_reason
+
+    return torchtitan_reason(name)
 
 
 def _suggest(name: str, candidates: list[str], prefix: str = "") -> str:
@@ -223,7 +235,8 @@ def _parse_cli(argv: list[str]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> JobConfig:
-    """Defaults, then the TOML file named by --job.config_file, then the other command-line options.
+    """Defaults, then the TOML file named by --job.config_file, then the other command-line options,
+    each checked alone (the checks across options: titanlite.checks.check_options).
 
     `job.config_file` ends up as the resolved path of the file that was read.
     """
@@ -235,15 +248,16 @@ def parse_args(argv: list[str]) -> JobConfig:
         overrides["job.config_file"] = str(path)
     for name, value in overrides.items():
         _set(cfg, name, value)
-    check_options(cfg)
     return cfg
 
 
-def apply_options(cfg: JobConfig, argv: list[str]) -> None:
-    """Set `--section.key value` options on a parsed config, checked as on the command line."""
+def with_options(config: JobConfig, argv: list[str]) -> JobConfig:
+    """A copy of `config` with `--section.key value` options set, each checked as on the command
+    line (`config` itself is left as it is)."""
+    config = copy.deepcopy(config)
     for name, value in _parse_cli(argv).items():
-        _set(cfg, name, value)
-    check_options(cfg)
+        _set(config, name, value)
+    return config
 
 
 def format_help() -> str:

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from titanlite.config import ConfigError
-from titanlite.config_parse import apply_options
+from titanlite.config_parse import with_options
 from titanlite.float8 import float8_enabled
 from titanlite.host import memory_per_local_rank
 from titanlite.memory_estimate import GIB, MemoryEstimate, estimate
@@ -26,9 +26,10 @@ def gpu_kind(cfg, device: torch.device) -> str | None:
     return device_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
-def plan_layout(cfg, world_size: int, device: torch.device) -> None:
-    """--parallelism.plan auto: the fastest layout that fits this world, set on `cfg` (the run's
-    saved config.toml then holds it). Every rank plans alike from the same inputs."""
+def plan_layout(cfg, world_size: int, device: torch.device):
+    """--parallelism.plan auto: a copy of the config `cfg` with the fastest layout that fits this
+    world (the run's saved config.toml then holds it), before anything is built; `cfg` is left as
+    it is. Every rank plans alike from the same inputs."""
     kind = gpu_kind(cfg, device)
     if kind is None:
         raise ConfigError(f"parallelism.plan auto plans for a GPU of the device table ("
@@ -48,12 +49,12 @@ def plan_layout(cfg, world_size: int, device: torch.device) -> None:
         raise ConfigError(f"parallelism.plan auto: no layout of {cfg.model.flavor} with global "
                           f"batch {batch} fits {world_size} x {kind}")  # fmt: skip
     best = plan.fits[0]
-    apply_options(cfg, flags(best.layout))
     logger.info("plan auto: %s, local batch %d x %d microbatches, AC %s, loss chunk %s on %d x "
                 "%s: predicted %.0f tokens/s per GPU, %.1f GiB", best.layout.describe(),
                 best.layout.local_batch_size, best.layout.accumulation, best.layout.ac,
                 best.layout.chunk_tokens or "off", world_size, kind,
                 best.prediction.tokens_per_s_per_gpu, best.memory_gib)  # fmt: skip
+    return with_options(cfg, flags(best.layout))
 
 
 def prediction(cfg, world_size: int, model_args, device: torch.device) -> dict:

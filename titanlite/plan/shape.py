@@ -52,7 +52,7 @@ def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
 
 def layout_of(cfg, world_size: int) -> Layout:
     """The layout a config runs on `world_size` ranks (degrees resolved as training does)."""
-    from titanlite.checks import resolve_global_batch
+    from titanlite.job import resolve_global_batch
 
     pd = ParallelDims.from_config(cfg.parallelism, world_size)
     _, accumulation = resolve_global_batch(cfg.training, pd.dp_degree)
@@ -110,7 +110,7 @@ def setup_from_config(
 
 def _accumulation(training, pd: ParallelDims) -> int:
     """Microbatches per step; 1 where the global batch does not divide (training says so)."""
-    from titanlite.checks import resolve_global_batch
+    from titanlite.job import resolve_global_batch
 
     try:
         return resolve_global_batch(training, pd.dp_degree)[1]
