@@ -44,6 +44,7 @@ from titanlite.distributed import (
     world_sum,
 )
 from titanlite.dry_run import dry_run, write_seed_checkpoint
+from titanlite.eval.validation import Validator
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.host import GarbageCollection
 from titanlite.job import World, resolve_job
@@ -67,7 +68,6 @@ from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titanlite.straggler import SlowRankFinder, local_numel, synchronize
 from titanlite.train_state import TrainState
-from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
 

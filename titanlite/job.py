@@ -21,7 +21,6 @@ from titanlite.config import ConfigError, JobConfig, Training
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.models.llama.pipeline_plan import PipelinePlan, plan_pipeline
 from titanlite.parallel_dims import ParallelDims
-from titanlite.plan.run import plan_layout
 
 
 class World(NamedTuple):
@@ -55,6 +54,9 @@ def resolve_job(config: JobConfig, world: World) -> Job:
     objects; a ConfigError names the first mistake and its fix, before anything is built."""
     check_options(config)  # train.py ran them already, before its process group
     if config.parallelism.plan == "auto" and world.device is not None:
+        # Here, not above: the planner resolves its models and batches with this module.
+        from titanlite.plan.run import plan_layout
+
         config = plan_layout(config, world.size, world.device)
         check_options(config)  # the planned layout against the options the user set
     parallelism, training = config.parallelism, config.training

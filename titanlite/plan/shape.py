@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from titanlite.build import model_args_for_vocab
 from titanlite.config import ConfigError
 from titanlite.float8 import float8_enabled
+from titanlite.job import resolve_global_batch, resolve_model
 from titanlite.memory_estimate import MemorySetup, param_counts
 from titanlite.models import get_family
 from titanlite.parallel_dims import ParallelDims
@@ -30,7 +30,7 @@ def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
     if seq_len:
         cfg = replace(cfg, training=replace(cfg.training, seq_len=seq_len))
     seq = cfg.training.seq_len
-    args = model_args_for_vocab(cfg, vocab_size)
+    args = resolve_model(cfg, vocab_size).args
     counts = param_counts(args, cfg.model.name)
     family = get_family(cfg.model.name)
     head_dim = args.dim // args.n_heads
@@ -52,8 +52,6 @@ def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
 
 def layout_of(cfg, world_size: int) -> Layout:
     """The layout a config runs on `world_size` ranks (degrees resolved as training does)."""
-    from titanlite.job import resolve_global_batch
-
     pd = ParallelDims.from_config(cfg.parallelism, world_size)
     _, accumulation = resolve_global_batch(cfg.training, pd.dp_degree)
     return _layout(cfg, pd, accumulation)
@@ -110,8 +108,6 @@ def setup_from_config(
 
 def _accumulation(training, pd: ParallelDims) -> int:
     """Microbatches per step; 1 where the global batch does not divide (training says so)."""
-    from titanlite.job import resolve_global_batch
-
     try:
         return resolve_global_batch(training, pd.dp_degree)[1]
     except ConfigError:
