@@ -136,29 +136,29 @@ def find_config_file(name: str) -> Path:
     raise ConfigError(f"--job.config_file {name!r} not found; looked at {looked}")
 
 
-def _apply_toml(cfg: JobConfig, path: Path) -> None:
+def _apply_toml(config: JobConfig, path: Path) -> None:
     """Set every option the TOML file names, checking sections, keys, types and ranges."""
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    _apply_table(cfg, path, data, "")
+    _apply_table(config, path, data, "")
 
 
-def _apply_table(cfg: JobConfig, path: Path, table: dict, prefix: str) -> None:
+def _apply_table(config: JobConfig, path: Path, table: dict, prefix: str) -> None:
     """The keys of one TOML table: `prefix` is "" for the file's top level, else "name."."""
     for key, value in table.items():
         name = prefix + key
         if name in TABLES:
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: {name} must be a [{name}] table, got {value!r}")
-            _apply_table(cfg, path, value, name + ".")
+            _apply_table(config, path, value, name + ".")
         elif name in OPTIONS:
             where = f"{path}: {name}"
             value = _from_toml(OPTIONS[name], value, where)
             _check(OPTIONS[name], value, where)
-            _set(cfg, name, value)
+            _set(config, name, value)
         elif isinstance(value, dict):
             for key in value:  # a torchtitan section titanlite lacks: say why, by its keys
                 if why := explain(f"{name}.{key}"):
@@ -173,10 +173,10 @@ def _apply_table(cfg: JobConfig, path: Path, table: dict, prefix: str) -> None:
             raise ConfigError(f"{path}: unknown key {name}{_suggest(name, list(OPTIONS))}")
 
 
-def _set(cfg: JobConfig, name: str, value: Any) -> None:
-    """Set option "section.key" (or "section.table.key") of cfg."""
+def _set(config: JobConfig, name: str, value: Any) -> None:
+    """Set option "section.key" (or "section.table.key") of config."""
     *tables, key = name.split(".")
-    setattr(functools.reduce(getattr, tables, cfg), key, value)
+    setattr(functools.reduce(getattr, tables, config), key, value)
 
 
 def _negation(name: str) -> tuple[bool, str]:
@@ -241,14 +241,14 @@ def parse_args(argv: list[str]) -> JobConfig:
     `job.config_file` ends up as the resolved path of the file that was read.
     """
     overrides = _parse_cli(argv)
-    cfg = JobConfig()
+    config = JobConfig()
     if overrides.get("job.config_file"):
         path = find_config_file(overrides["job.config_file"])
-        _apply_toml(cfg, path)
+        _apply_toml(config, path)
         overrides["job.config_file"] = str(path)
     for name, value in overrides.items():
-        _set(cfg, name, value)
-    return cfg
+        _set(config, name, value)
+    return config
 
 
 def with_options(config: JobConfig, argv: list[str]) -> JobConfig:
@@ -282,9 +282,9 @@ def format_help() -> str:
     return "\n".join(lines)
 
 
-def dump_toml(cfg: JobConfig, path: str | Path) -> None:
+def dump_toml(config: JobConfig, path: str | Path) -> None:
     """Write the resolved config as TOML; parse_args on that file gives the same JobConfig back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as fh:
-        tomli_w.dump(cfg.to_dict(), fh)
+        tomli_w.dump(config.to_dict(), fh)
