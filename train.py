@@ -5,8 +5,7 @@
 
 `Trainer` resolves the job (titanlite/job.py: every check of what a user can get wrong, the
 layout, the tokenizer and model args), builds the model (titanlite/build.py) and every other piece
-from its own config section, and `Trainer.train` runs
-the schedule. One step:
+from its own config section, and `Trainer.train` runs the schedule. One step:
     microbatches -> count the step's target tokens (one all-reduce, which also carries the stop
     votes) -> per microbatch: forward, loss sum x (1 / step tokens), backward at once -> clip by
     the global norm -> read "finite?" and "stop?" (the step's one host sync) -> optimizer step.
