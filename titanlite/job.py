@@ -33,7 +33,9 @@ class World(NamedTuple):
     device: torch.device | None = None
 
 
-class Model(NamedTuple):
+class JobModel(NamedTuple):
+    """A job's model as config and tokenizer make it, before anything is built."""
+
     tokenizer: Tokenizer | None  # None where the model was resolved for a given vocab size
     args: object  # the model family's args
 
@@ -78,13 +80,13 @@ def resolve_job(config: JobConfig, world: World) -> Job:
     )  # fmt: skip
 
 
-def resolve_model(config: JobConfig, vocab_size: int | None = None) -> Model:
+def resolve_model(config: JobConfig, vocab_size: int | None = None) -> JobModel:
     """The run's tokenizer and model args (the vocab padded to shard evenly); with `vocab_size`
     no tokenizer is built (a cluster's tokenizer file, priced on a laptop)."""
     if vocab_size is not None:
-        return Model(None, model_args_for_vocab(config, vocab_size))
+        return JobModel(None, model_args_for_vocab(config, vocab_size))
     tokenizer = build_tokenizer(config.model)
-    return Model(tokenizer, model_args_for(config, tokenizer))
+    return JobModel(tokenizer, model_args_for(config, tokenizer))
 
 
 def resolve_global_batch(training: Training, dp_degree: int) -> tuple[int, int]:
