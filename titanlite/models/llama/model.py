@@ -24,6 +24,7 @@ from titanlite.models.llama.args import (
     ModelArgs,
 )
 from titanlite.models.tiled_init import ParamInit, fill_
+from titanlite.torch_compat import cpu_flash_attention_ops
 
 
 def rope_frequencies(head_dim: int, theta: float, scaled: bool) -> torch.Tensor:
@@ -138,7 +139,7 @@ class CpuFlashFp32Backward(torch.autograd.Function):
     def forward(ctx, q, k, v, bias):
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        flash, _ = cpu_flash_attention_ops()
         out, lse = flash(q, k, v, 0.0, bias is None, attn_mask=bias)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.n_rep = n_rep
@@ -147,7 +148,7 @@ class CpuFlashFp32Backward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        _, flash_backward = cpu_flash_attention_ops()
         fp32 = [t.float() for t in (grad_out, q, k, v, out)]
         bias = None if bias is None else bias.float()
         dq, dk, dv = flash_backward(*fp32, lse, 0.0, bias is None, attn_mask=bias)
