@@ -175,9 +175,10 @@ def test_compiled_block_saves_what_the_estimate_counts(option, monkeypatch):
     from torch._inductor.decomposition import select_decomp_table
 
     import titanlite.models.llama.model as model_module
+    from titanlite.models import kernels
     from titanlite.models.llama.parallelize import apply_ac, apply_compile
 
-    monkeypatch.setattr(model_module, "native_gqa", lambda device: True)  # as on a GPU
+    monkeypatch.setattr(kernels, "native_gqa", lambda device: True)  # as on a GPU
     args = replace(ARGS, n_kv_heads=2, n_layers=1)
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleDict({"0": model_module.TransformerBlock(args)})
