@@ -17,7 +17,6 @@ from titanlite.parallel_dims import ParallelDims
     "argv, expected",
     [
         (["--checkpoint.load_step", "3"], "needs --checkpoint.enable"),
-        (["--parallelism.context_parallel_rotate_method", "alltoall"], "use allgather"),
         (["--lr_scheduler.decay_ratio", "1.5"], "decay_ratio must be in [0, 1], or -1"),
         (["--optimizer.name", "SGD"], "AdamW"),
         (

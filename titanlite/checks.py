@@ -55,14 +55,6 @@ def check_options(cfg: JobConfig) -> None:
         )
     _check_early_step(cfg.optimizer, cfg.training, cfg.metrics)
     _check_wandb_installed(cfg.metrics)
-    if cfg.parallelism.context_parallel_rotate_method == "alltoall":
-        # torchtitan's ring exchange: the same bytes as one all-gather, sent in cp - 1 steps
-        # that overlap attention, never holding the whole sequence's K/V. titanlite gathers it
-        # (the memory estimator counts that K/V).
-        raise ConfigError(
-            "parallelism.context_parallel_rotate_method alltoall (ring attention, K/V passed "
-            "between CP ranks) is not implemented: titanlite all-gathers K/V; use allgather"
-        )
 
 
 def _check_checkpoint(ckpt: Checkpoint) -> None:
@@ -227,7 +219,8 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
     check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
     check_float8(cfg, pd)
-    canonical_schedule(p.pipeline_parallel_schedule)  # a typo fails with PP off too
+    # A typo fails with PP off too.
+    canonical_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     pipeline = None
     if pd.pp_enabled:
         check_pipeline_options(cfg)
