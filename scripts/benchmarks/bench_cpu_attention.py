@@ -1,6 +1,6 @@
 """CPU attention under bf16: torch's bf16 flash backward against the same kernel's fp32 one.
 
-    python scripts/bench_cpu_attention.py [--threads 2] [--rounds 6]
+    python scripts/benchmarks/bench_cpu_attention.py [--threads 2] [--rounds 6]
 
 titanlite's `sdpa` runs the backward of bf16 attention in fp32 on CPU at head_dim <= 64
 (`fp32_backward` in titanlite/models/kernels.py). This measures both sides of that choice:
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from titanlite.models import kernels as model_kernels  # noqa: E402
 from titanlite.models.llama import model as llama  # noqa: E402
