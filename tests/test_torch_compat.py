@@ -233,3 +233,48 @@ def test_loader_workers_shut_down():
     tc.shutdown_loader_workers(batches)
     assert workers and not any(w.is_alive() for w in workers)
     tc.shutdown_loader_workers(iter(torch.utils.data.DataLoader([1])))  # no workers: nothing to do
+
+
+def _private_torch_names(source: str) -> list[str]:
+    """Private names reached through `torch` in code (comments and strings aside): a dotted
+    chain from `torch` with a `_name` link, or an import from torch of a `_name` (a module or
+    an attribute). A private attribute of an object held in a variable is not seen."""
+    import io
+    import tokenize
+
+    code = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type in (tokenize.NAME, tokenize.OP, tokenize.NEWLINE)]  # fmt: skip
+    found, chain, statement = [], [], []
+    for tok in code:
+        if tok.type == tokenize.NEWLINE:
+            words = [t.string for t in statement]
+            if words[:1] in (["from"], ["import"]) and any(w.startswith("torch") for w in words):
+                found += [w for w in words if w.startswith("_") and not w.startswith("__")]
+            statement = []
+            continue
+        statement.append(tok)
+        if tok.type == tokenize.NAME and (not chain or chain[-1] == "."):
+            chain.append(tok.string)
+        elif tok.string == "." and chain and chain[-1] != ".":
+            chain.append(".")
+        else:
+            chain = [tok.string] if tok.type == tokenize.NAME else []
+        if chain[:1] == ["torch"] and chain[-1].startswith("_") and not chain[-1].startswith("__"):
+            found.append(".".join(c for c in chain if c != "."))
+    return found
+
+
+def test_no_private_torch_name_outside_this_module():
+    from conftest import REPO
+
+    files = [REPO / "train.py", *sorted((REPO / "titanlite").rglob("*.py"))]
+    found = {
+        str(f.relative_to(REPO)): names
+        for f in files
+        if f.name != "torch_compat.py" and (names := _private_torch_names(f.read_text()))
+    }
+    assert found == {}, "use titanlite/torch_compat.py for these"
+    assert _private_torch_names("import torch.distributed._functional_collectives as f\n")
+    assert _private_torch_names("x = torch.cuda.memory._snapshot()\n")
+    assert _private_torch_names("from torch.distributed.checkpoint.utils import _view\n")
+    assert not _private_torch_names("x = torch.ops.aten.mm  # torch._foo\n")
