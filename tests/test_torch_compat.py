@@ -40,12 +40,15 @@ mesh = tc.track_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("a", "b")))
 flat = tc.flatten_mesh(mesh, "ab")
 x = distribute_tensor(torch.zeros(10, 4), mesh["b"], [Shard(0)])
 shape, offset = tc.local_shape_and_offset(x.shape, x.device_mesh, x.placements)
+# A second mesh of the same shape (equal to the first as a DeviceMesh) holds groups of its own.
+twin = tc.track_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("a", "b")))
 groups_before = len(getattr(mesh, "_pg_registry", {}))
 tc.release_mesh_groups()
 print(json.dumps({
     "world": dist.get_world_size(), "rank": dist.get_rank(), "flat": flat.size(),
     "flat_rank": flat.get_local_rank(), "shape": shape, "offset": offset,
-    "groups_before": groups_before, "groups_after": len(getattr(mesh, "_pg_registry", {})),
+    "groups_before": groups_before,
+    "groups_after": len(getattr(mesh, "_pg_registry", {})) + len(getattr(twin, "_pg_registry", {})),
     "has_registry": hasattr(mesh, "_pg_registry"),
 }))
 """

@@ -54,13 +54,14 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 
 # The root meshes titanlite made (parallel_dims.build_mesh registers them): teardown releases
-# their groups. Weak: a mesh that nothing else holds goes with its groups anyway.
-_meshes: "weakref.WeakSet[DeviceMesh]" = weakref.WeakSet()
+# their groups. Weak: a mesh that nothing else holds goes with its groups anyway. A list, not a
+# WeakSet: meshes of the same shape compare equal, and each one holds its own groups.
+_meshes: list[weakref.ref] = []
 
 
 def track_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """Note a root mesh titanlite made, for release_mesh_groups; returns it."""
-    _meshes.add(mesh)
+    _meshes.append(weakref.ref(mesh))
     return mesh
 
 
@@ -71,8 +72,8 @@ def release_mesh_groups() -> None:
     without this its groups outlive destroy_process_group() and gc (measured: 5 gloo groups with
     15 threads per rank of a 4-rank FSDP run) and are closed during interpreter shutdown, at a
     different moment on each rank. torch has no public way to release a mesh's groups."""
-    for mesh in list(_meshes):
-        registry = getattr(mesh, "_pg_registry", None)
+    for ref in _meshes:
+        registry = getattr(ref(), "_pg_registry", None)  # None too for a mesh already freed
         if registry:
             registry.clear()
     _meshes.clear()
