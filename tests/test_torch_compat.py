@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -73,6 +74,16 @@ def test_group_timeout_is_set_on_every_group(one_rank_group):
     tc.set_group_timeout(one_rank_group, 7)
     backend = one_rank_group._get_backend(torch.device("cpu"))
     assert backend.options._timeout.total_seconds() == 7
+
+
+def test_all_gather_autograd_gathers_and_passes_the_gradient_back(one_rank_group):
+    x = torch.randn(3, 4, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # not a name this torch deprecates
+        out = tc.all_gather_autograd(x, 0, one_rank_group)
+    assert torch.equal(out, x)  # one rank: the gathered tensor is its own
+    (out * 2).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
 
 
 def test_foreach_norm_is_each_tensors_norm():

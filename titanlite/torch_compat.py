@@ -90,12 +90,14 @@ def local_shape_and_offset(shape, mesh: DeviceMesh, placements) -> tuple[tuple, 
 
 
 def all_gather_autograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """torch.distributed._functional_collectives.all_gather_tensor_autograd: an all-gather whose
+    """torch.distributed._functional_collectives.all_gather_single_autograd (2.13; 2.11 names it
+    all_gather_tensor_autograd, which 2.13 keeps as a deprecated alias): an all-gather whose
     backward reduce-scatters the gradient. torch.distributed.nn.functional.all_gather has a
     backward too but returns a list and all-reduces the whole gradient (world times the bytes)."""
     import torch.distributed._functional_collectives as funcol
 
-    return funcol.all_gather_tensor_autograd(x, gather_dim=dim, group=group)
+    gather = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
+    return gather(x, gather_dim=dim, group=group)
 
 
 # -- kernels and ops -----------------------------------------------------------------------------
