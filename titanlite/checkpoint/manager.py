@@ -34,7 +34,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlite.checkpoint.hf import check_heads, hf_names, load_hf, save_hf
 from titanlite.checkpoint.integrity import checksummed_writer, record
-from titanlite.checkpoint.layout import dist_on, prune, publish, rank, read_marker, world_size
+from titanlite.checkpoint.layout import (
+    MARKER,
+    dist_on,
+    prune,
+    publish,
+    rank,
+    read_marker,
+    world_size,
+)
 from titanlite.checkpoint.plan import (
     CheckpointError,
     LoadPlan,
@@ -353,7 +361,8 @@ class CheckpointManager:
             state["dataloader_stream"] = {stream_key: b""}
         self._apply(self._read(path, state), parts, meta, rng_key, stream_key)
         logger.info("Loaded %s from %s", ", ".join(["model", *sorted(parts)]), path)
-        saved_in = read_marker(path).get("save_seconds")
+        # A folder made by the converter (hf-to-dcp) has no marker, nor a save time.
+        saved_in = read_marker(path).get("save_seconds") if (path / MARKER).is_file() else None
         if rank() == 0 and saved_in is not None:  # the last save, before this run spends time
             warn_if_slower_than_grace(saved_in, self._grace_s, f"the save of {path.name}")
         return meta["step"] if "train_state" in parts else 0
