@@ -29,7 +29,7 @@ from titanlite.data.store import is_store
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
-from titanlite.models.llama.pipeline_plan import PipelinePlan, canonical_schedule, plan_pipeline
+from titanlite.models.pipeline_plan import PipelinePlan, canonical_schedule, plan_pipeline
 from titanlite.parallel_dims import ParallelDims
 
 

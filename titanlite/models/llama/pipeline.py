@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from titanlite.models.llama.pipeline_plan import PipelinePlan
+from titanlite.models.pipeline_plan import PipelinePlan
 
 
 def cut_stages(model: nn.Module, plan: PipelinePlan, pp_mesh: DeviceMesh, tp_mesh=None):
