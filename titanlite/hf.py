@@ -53,7 +53,7 @@ def from_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 class HFFormat:
     """A family's Hugging Face layout: titanlite name -> HF name (per layer, prefixed
     "model.layers.N.", and global), the RoPE-permuted weights, config.json. A model whose
-    `args.tie_embeddings` is set has no HF lm_head: its output weight is the embedding's."""
+    `args.tie_embeddings` is set has no output weight, and its HF files no lm_head."""
 
     model_type: str  # config.json's model_type
     layer_keys: Mapping[str, str]
@@ -61,11 +61,9 @@ class HFFormat:
     rope_keys: Mapping[str, str]  # layer key -> its kind in ROPE_HEADS
     config: Callable[[object, str], dict]  # (args, dtype name) -> config.json
 
-    def hf_name(self, ours: str, n_heads: int, n_kv_heads: int, tied: bool = False):
+    def hf_name(self, ours: str, n_heads: int, n_kv_heads: int):
         """The HF name of a titanlite weight, and its RoPE head count if its rows are
         permuted."""
-        if tied and ours == OUTPUT:
-            ours = EMBEDDING
         if ours in self.global_keys:
             return self.global_keys[ours], None
         _, i, rest = ours.split(".", 2)
@@ -74,10 +72,8 @@ class HFFormat:
         return f"model.layers.{i}.{self.layer_keys[rest]}", heads
 
     def names(self, args, ours_names) -> dict[str, tuple[str, int | None]]:
-        """{titanlite name: (HF name, RoPE head count or None)}; a tied output shares the
-        embedding's HF name."""
-        tied = args.tie_embeddings
-        return {o: self.hf_name(o, args.n_heads, args.num_kv_heads, tied) for o in ours_names}
+        """{titanlite name: (HF name, RoPE head count or None)}."""
+        return {o: self.hf_name(o, args.n_heads, args.num_kv_heads) for o in ours_names}
 
     def titanlite_names(self, n_layers: int) -> list[str]:
         return [
@@ -99,11 +95,9 @@ class HFFormat:
 
     def to_hf(self, sd: dict, args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """HF names and layout for whichever titanlite weights `sd` holds (a unit or the
-        model); a tied output is left out (HF has no lm_head then)."""
+        model)."""
         out = {}
         for ours, w in sd.items():
-            if args.tie_embeddings and ours == OUTPUT:
-                continue
             hf, heads = self.hf_name(ours, args.n_heads, args.num_kv_heads)
             out[hf] = (w if heads is None else to_hf_rope(w, heads)).to(dtype).contiguous()
         return out
@@ -123,7 +117,9 @@ class HFFormat:
 
         out = {}
         for ours in self.titanlite_names(cfg["num_hidden_layers"]):
-            name, heads = self.hf_name(ours, n_heads, n_kv, tied)  # tied: output = embedding
+            if tied and ours == OUTPUT:
+                continue  # the model's output reads the embedding's weight (no parameter)
+            name, heads = self.hf_name(ours, n_heads, n_kv)
             out[ours] = name, converter(name, heads)
         return out
 

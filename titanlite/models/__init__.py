@@ -75,3 +75,4 @@ def get_family(name: str) -> ModelFamily:
 
 # The families: each registers itself on import.
 import titanlite.models.llama  # noqa: E402, F401, I001
+import titanlite.models.qwen3  # noqa: E402, F401, I001

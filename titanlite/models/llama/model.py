@@ -341,6 +341,23 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class TiedOutput(nn.Module):
+    """The output projection by the embedding's weight, which it reads but does not hold: the
+    model has one [vocab, dim] parameter, so moving it (to_empty, which gives each module its own
+    copy of a shared parameter), FSDP and checkpoints see it once."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self._embedding = [embedding]  # in a list: not registered as a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding[0].weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -353,9 +370,10 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:  # one [vocab, dim] parameter, the embedding's
-            self.output.weight = self.tok_embeddings.weight
+        if args.tie_embeddings:
+            self.output = TiedOutput(self.tok_embeddings)
+        else:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so checkpoints stay Meta-compatible.
         self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
         # (h, output weight, labels, chunk_tokens) -> summed CE; apply_tp swaps in a sharded one.
@@ -369,7 +387,7 @@ class Transformer(nn.Module):
             return ParamInit(constant=1.0)
         if name == "tok_embeddings.weight" and not self.args.tie_embeddings:
             return ParamInit(std=1.0)
-        if name in ("output.weight", "tok_embeddings.weight"):
+        if name in ("output.weight", "tok_embeddings.weight"):  # (tied: the output's scale)
             # 1/sqrt(dim) keeps the initial logits O(1): the first loss is close to ln(vocab).
             std = self.args.dim**-0.5
             return ParamInit(std=std, bound=3 * std)
