@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from titanlite.build import model_args_for_vocab
+from titanlite.build import count_params, model_args_for_vocab
 from titanlite.config import ConfigError
 from titanlite.float8 import float8_enabled
 from titanlite.memory_estimate import MemorySetup, param_counts
@@ -43,7 +43,8 @@ def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
         vocab=args.vocab_size,
         block_linear_params=counts["block_split"],
         params_total=counts["total"],
-        flops_per_token=family.flops_per_token(counts["total"] - counts["embedding"], args, seq),
+        # train.py's count: without the embedding, unless it is the output projection too.
+        flops_per_token=family.flops_per_token(count_params(cfg, args, True), args, seq),
         seq_len=seq,
     )
     return Model(cfg.model.name, args, counts, shape)
