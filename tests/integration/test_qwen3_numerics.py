@@ -1,11 +1,21 @@
 """Qwen3 in the parity suite: real train.py runs of its debug flavor (torchrun, gloo, 2 ranks)
-under FSDP 2, TP 2 (QK-norm's replicated weights over sequence-parallel heads, loss parallel)
-and PP 2 give one process's per-step losses and grad norms, within the tolerances the Llama
-layouts are held to (test_parallel_numerics.py, test_pipeline_numerics.py); the tied flavor with
-the chunked loss under FSDP 2 too."""
+under FSDP 2 (also with selective AC), TP 2 (QK-norm's replicated weights over sequence-parallel
+heads, loss parallel), PP 2 and CP 2 give one process's per-step losses and grad norms, within
+the tolerances the Llama layouts are held to (test_parallel_numerics.py,
+test_pipeline_numerics.py), each block's gradient norm too; FSDP 2 x TP 2 on 4 ranks; the tied
+flavor with the chunked loss under FSDP 2."""
 
 import pytest
-from integration.parity import BASE, PP, assert_matches, curves, launch
+from integration.parity import (
+    BASE,
+    CP,
+    PP,
+    assert_block_norms_match,
+    assert_matches,
+    curves,
+    launch,
+    one_microbatch,
+)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -17,7 +27,23 @@ LAYOUTS = {
     "fsdp2": (2, [*QWEN3, *FSDP2], "reference", 1e-4),
     "tp2": (2, [*QWEN3, "--parallelism.tensor_parallel_degree", "2"], "reference", 1e-4),
     "pp2": (2, [*QWEN3, PP, "2"], "reference", 1e-5),
+    # Context parallelism: Llama's CP layouts are held to 1e-5.
+    "cp2": (2, [*QWEN3, CP, "2", *one_microbatch(1)], "reference", 1e-5),
+    # Selective op AC recomputes the QK-norms inside the FSDP-wrapped blocks.
+    "fsdp2_sac": (
+        2,
+        [*QWEN3, *FSDP2, "--activation_checkpoint.mode", "selective"],
+        "reference",
+        1e-4,
+    ),
     "tied_fsdp2": (2, [*TIED, *FSDP2], "tied_reference", 1e-4),
+    # The usual 2-D layout: the QK-norm weights replicated over TP, sharded over FSDP.
+    "fsdp2xtp2": (
+        4,
+        [*QWEN3, *FSDP2, "--parallelism.tensor_parallel_degree", "2"],
+        "reference",
+        1e-4,
+    ),
 }
 
 
@@ -35,6 +61,8 @@ def runs(tmp_path_factory):
 def test_qwen3_layout_matches_one_process(runs, name):
     _, _, ref, rtol = LAYOUTS[name]
     assert_matches(name, curves(runs[name]), curves(runs[ref]), rtol)
+    # Every block's gradient norm (its QK-norm weights' among them), not just the total's.
+    assert_block_norms_match(name, runs[name], runs[ref], rtol)
 
 
 def test_qwen3_learns(runs):
