@@ -24,7 +24,6 @@ model.name on export), which the trainer's checkpoints use too.
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -121,7 +120,8 @@ def model_args_for(shapes: dict, flavor: str, step_dir: Path):
     cfg_path, cfg = run_config(step_dir)
     model_cfg = cfg.get("model", {})
     flavor = flavor or model_cfg.get("flavor")
-    flavors = get_family(model_cfg.get("name", "llama3")).flavors
+    family = get_family(model_cfg.get("name", "llama3"))
+    flavors = family.flavors
     if flavor not in flavors:
         raise ValueError(
             f"need --flavor (one of {list(flavors)}); got {flavor!r} and {cfg_path} "
@@ -135,11 +135,11 @@ def model_args_for(shapes: dict, flavor: str, step_dir: Path):
             f"{step_dir}: weights have dim {dim}, {n_layers} layers; flavor {flavor} has "
             f"dim {base.dim}, {base.n_layers} layers"
         )
-    return replace(
-        base,
+    return family.model_args(
+        flavor,
         vocab_size=vocab,
-        use_scaled_rope=base.use_scaled_rope or bool(model_cfg.get("use_scaled_rope", False)),
         max_seq_len=int(cfg.get("training", {}).get("seq_len", base.max_seq_len)),
+        use_scaled_rope=bool(model_cfg.get("use_scaled_rope", False)),
     )
 
 
