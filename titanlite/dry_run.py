@@ -23,7 +23,7 @@ from titanlite.distributed import destroy, init_fake_distributed, local_value
 from titanlite.job import World, resolve_job, resolve_model
 from titanlite.memory_estimate import GIB, estimate
 from titanlite.models import get_family
-from titanlite.models.llama.pipeline_plan import PipelinePlan
+from titanlite.models.pipeline_plan import PipelinePlan
 from titanlite.models.tiled_init import fill_
 from titanlite.parallel_dims import ParallelDims
 from titanlite.plan.shape import setup_from_config

@@ -1,16 +1,19 @@
-"""The Hugging Face Llama format: tensor names, the RoPE row order, config.json, safetensors files.
+"""The Hugging Face format, family-neutral: the converter a family's key map drives, the RoPE row
+order, config.json and safetensors files.
 
 titanlite's state-dict keys are Meta's (`layers.N.attention.wq.weight`), HF's are
-`model.layers.N.self_attn.q_proj.weight`: conversion is a key map plus one row permutation.
+`model.layers.N.self_attn.q_proj.weight`: conversion is a key map plus one row permutation, and
+each family gives its own `HFFormat` (its record's `hf`: the key map and config.json).
 RoPE: titanlite (like Meta) rotates interleaved pairs (2i, 2i+1) of each head; HF's rotate_half
-pairs i with i + head_dim/2. The q/k projection rows are permuted within each head so both give
-the same logits. Used by scripts/convert_checkpoint.py and by the trainer's checkpoints
-(`titanlite.checkpoint.hf`); nothing here knows about ranks. `args` is the llama3 family's
-ModelArgs.
+pairs i with i + head_dim/2. The rows of the weights whose outputs are rotated (q/k projections,
+and a per-head norm before the rotation) are permuted within each head so both give the same
+logits. Used by scripts/convert_checkpoint.py and by the trainer's checkpoints
+(`titanlite.checkpoint.hf`); nothing here knows about ranks.
 """
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,136 +23,128 @@ from titanlite.config import ConfigError
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
-
-# titanlite (Meta) name -> HF name, per layer (prefixed "model.layers.N.") and global.
-LAYER_KEYS = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-GLOBAL_KEYS = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+EMBEDDING, OUTPUT = "tok_embeddings.weight", "output.weight"
+# The head count whose rows a RoPE-permuted weight holds, by kind: the query heads, the
+# key-value heads, or one head (a per-head norm's weight, shared by every head).
+ROPE_HEADS = {
+    "q": lambda n_heads, n_kv: n_heads,
+    "kv": lambda n_heads, n_kv: n_kv,
+    "head": lambda n_heads, n_kv: 1,
 }
 
 
 def to_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows from interleaved pairs to HF's two halves."""
-    rows, cols = w.shape
-    # [h*hd, dim] -> [h, hd/2, 2, dim] -> [h, 2, hd/2, dim] -> [h*hd, dim]
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Reorder each head's rows (dim 0; a 1-D weight is one column) from interleaved pairs to
+    HF's two halves."""
+    rows = w.shape[0]
+    # [h*hd, c] -> [h, hd/2, 2, c] -> [h, 2, hd/2, c] -> [h*hd, c]
+    pairs = w.reshape(n_heads, rows // n_heads // 2, 2, -1)
+    return pairs.transpose(1, 2).reshape(w.shape)
 
 
 def from_hf_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    # [h*hd, dim] -> [h, 2, hd/2, dim] -> [h, hd/2, 2, dim] -> [h*hd, dim]
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows = w.shape[0]
+    # [h*hd, c] -> [h, 2, hd/2, c] -> [h, hd/2, 2, c] -> [h*hd, c]
+    halves = w.reshape(n_heads, 2, rows // n_heads // 2, -1)
+    return halves.transpose(1, 2).reshape(w.shape)
 
 
-def hf_name(ours: str, n_heads: int, n_kv_heads: int) -> tuple[str, int | None]:
-    """The HF name of a titanlite weight, and its RoPE head count if its rows are permuted."""
-    if ours in GLOBAL_KEYS:
-        return GLOBAL_KEYS[ours], None
-    _, i, rest = ours.split(".", 2)
-    heads = {"attention.wq.weight": n_heads, "attention.wk.weight": n_kv_heads}.get(rest)
-    return f"model.layers.{i}.{LAYER_KEYS[rest]}", heads
+@dataclass(frozen=True)
+class HFFormat:
+    """A family's Hugging Face layout: titanlite name -> HF name (per layer, prefixed
+    "model.layers.N.", and global), the RoPE-permuted weights, config.json. A model whose
+    `args.tie_embeddings` is set has no output weight, and its HF files no lm_head."""
+
+    model_type: str  # config.json's model_type
+    layer_keys: Mapping[str, str]
+    global_keys: Mapping[str, str]
+    rope_keys: Mapping[str, str]  # layer key -> its kind in ROPE_HEADS
+    config: Callable[[object, str], dict]  # (args, dtype name) -> config.json
+
+    def hf_name(self, ours: str, n_heads: int, n_kv_heads: int):
+        """The HF name of a titanlite weight, and its RoPE head count if its rows are
+        permuted."""
+        if ours in self.global_keys:
+            return self.global_keys[ours], None
+        _, i, rest = ours.split(".", 2)
+        kind = self.rope_keys.get(rest)
+        heads = None if kind is None else ROPE_HEADS[kind](n_heads, n_kv_heads)
+        return f"model.layers.{i}.{self.layer_keys[rest]}", heads
+
+    def names(self, args, ours_names) -> dict[str, tuple[str, int | None]]:
+        """{titanlite name: (HF name, RoPE head count or None)}."""
+        return {o: self.hf_name(o, args.n_heads, args.num_kv_heads) for o in ours_names}
+
+    def titanlite_names(self, n_layers: int) -> list[str]:
+        return [
+            *self.global_keys,
+            *(f"layers.{i}.{k}" for i in range(n_layers) for k in self.layer_keys),
+        ]
+
+    def units(self, args) -> list[list[str]]:
+        """Export units, each one safetensors file: the embedding, each block, then norm +
+        output (norm alone when the output is the embedding)."""
+        head = [k for k in self.global_keys if k != EMBEDDING]
+        if args.tie_embeddings:
+            head.remove(OUTPUT)
+        return [
+            [EMBEDDING],
+            *([f"layers.{i}.{k}" for k in self.layer_keys] for i in range(args.n_layers)),
+            head,
+        ]
+
+    def to_hf(self, sd: dict, args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """HF names and layout for whichever titanlite weights `sd` holds (a unit or the
+        model)."""
+        out = {}
+        for ours, w in sd.items():
+            hf, heads = self.hf_name(ours, args.n_heads, args.num_kv_heads)
+            out[hf] = (w if heads is None else to_hf_rope(w, heads)).to(dtype).contiguous()
+        return out
+
+    def from_hf_lazily(self, get, cfg: dict, dtype: torch.dtype) -> dict[str, tuple]:
+        """{titanlite name: (HF name, make)} where make() converts `get(HF name)`."""
+        n_heads = cfg["num_attention_heads"]
+        n_kv = cfg.get("num_key_value_heads") or n_heads
+        tied = bool(cfg.get("tie_word_embeddings"))
+
+        def converter(name: str, heads: int | None):
+            def make() -> torch.Tensor:
+                w = get(name)
+                return (w if heads is None else from_hf_rope(w, heads)).to(dtype).contiguous()
+
+            return make
+
+        out = {}
+        for ours in self.titanlite_names(cfg["num_hidden_layers"]):
+            if tied and ours == OUTPUT:
+                continue  # the model's output reads the embedding's weight (no parameter)
+            name, heads = self.hf_name(ours, n_heads, n_kv)
+            out[ours] = name, converter(name, heads)
+        return out
+
+    def write_config(self, out: Path, args, dtype: str) -> None:
+        (out / CONFIG).write_text(json.dumps(self.config(args, dtype), indent=2) + "\n")
 
 
-def titanlite_names(n_layers: int) -> list[str]:
-    return [
-        *GLOBAL_KEYS,
-        *(f"layers.{i}.{k}" for i in range(n_layers) for k in LAYER_KEYS),
-    ]
-
-
-def units(n_layers: int) -> list[list[str]]:
-    """Export units, each one safetensors file: the embedding, each block, then norm + output."""
-    return [
-        ["tok_embeddings.weight"],
-        *([f"layers.{i}.{k}" for k in LAYER_KEYS] for i in range(n_layers)),
-        ["norm.weight", "output.weight"],
-    ]
-
-
-def to_hf(sd: dict, args, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF names and layout for whichever titanlite weights `sd` holds (a unit or the model)."""
-    out = {}
-    for ours, w in sd.items():
-        hf, rope_heads = hf_name(ours, args.n_heads, args.num_kv_heads)
-        out[hf] = (w if rope_heads is None else to_hf_rope(w, rope_heads)).to(dtype).contiguous()
-    return out
-
-
-def from_hf_lazily(get, cfg: dict, dtype: torch.dtype) -> dict[str, tuple[str, Callable]]:
-    """{titanlite name: (HF name, make)} where make() converts `get(HF name)`."""
-    n_heads = cfg["num_attention_heads"]
-    n_kv = cfg.get("num_key_value_heads") or n_heads
-
-    def converter(name: str, heads: int | None):
-        def make() -> torch.Tensor:
-            w = get(name)
-            return (w if heads is None else from_hf_rope(w, heads)).to(dtype).contiguous()
-
-        return make
-
-    out = {}
-    for ours in titanlite_names(cfg["num_hidden_layers"]):
-        name, heads = hf_name(ours, n_heads, n_kv)
-        out[ours] = name, converter(name, heads)
-    return out
-
-
-def hf_config(args, dtype: str) -> dict:
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
-    }
+def rope_parameters(args) -> dict:
+    """config.json's RoPE keys (transformers >= 5 reads rope_parameters, older ones the rest)."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling:
-        cfg["rope_scaling"] = args.rope_scaling
-        rope = {**cfg["rope_scaling"], "rope_theta": args.rope_theta}
-    cfg["rope_parameters"] = rope  # transformers >= 5 reads this; older ones the two keys above
-    return cfg
-
-
-def write_hf_config(out: Path, args, dtype: str) -> None:
-    (out / CONFIG).write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+        rope = {**args.rope_scaling, "rope_theta": args.rope_theta}
+    return {
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling,
+        "rope_parameters": rope,
+    }
 
 
 def read_hf_config(hf_dir: Path) -> dict:
-    """config.json of a HF Llama folder that titanlite can load (ValueError otherwise)."""
+    """config.json of a HF folder with safetensors weights (ConfigError otherwise)."""
     cfg_file = hf_dir / CONFIG
     if not cfg_file.is_file() or not any(hf_dir.glob("*.safetensors")):
-        raise ConfigError(f"{hf_dir} needs config.json and *.safetensors (a HF Llama checkpoint)")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("tie_word_embeddings"):
-        raise ConfigError(
-            f"{hf_dir}: tied embeddings are not supported (titanlite's output is untied)"
-        )
-    return cfg
+        raise ConfigError(f"{hf_dir} needs config.json and *.safetensors (a HF checkpoint)")
+    return json.loads(cfg_file.read_text())
 
 
 def hf_files(hf_dir: Path) -> dict[str, Path]:

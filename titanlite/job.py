@@ -19,7 +19,7 @@ from titanlite.build import model_args_for, model_args_for_vocab
 from titanlite.checks import check_job, check_options, check_run
 from titanlite.config import ConfigError, JobConfig, Training
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
-from titanlite.models.llama.pipeline_plan import PipelinePlan, plan_pipeline
+from titanlite.models.pipeline_plan import PipelinePlan, plan_pipeline
 from titanlite.parallel_dims import ParallelDims
 
 

@@ -99,8 +99,7 @@ import torch
 
 from titanlite.config import SELECTIVE_OP_OPTIONS, valid_selective_ac_option
 from titanlite.models import get_family
-from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.pipeline_plan import SINGLE_STAGE, plan_pipeline
+from titanlite.models.pipeline_plan import SINGLE_STAGE, plan_pipeline
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -113,18 +112,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_CACHED_FRACTION = 0.7
 CACHE_ROW = "allocator cache (freed, kept)"
 
-# Parameter-name suffixes that tensor parallelism splits (apply_tp's plan).
-_TP_SPLIT = (
-    "wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight",
-    "tok_embeddings.weight", "output.weight",
-)  # fmt: skip
-
 
 @dataclass(frozen=True)
 class MemorySetup:
     """Everything that decides one rank's memory; degrees already resolved (no -1)."""
 
-    model_args: ModelArgs
+    model_args: object  # the family's args
     local_batch_size: int
     seq_len: int
     model_name: str = "llama3"  # model.name: the family whose model is counted
@@ -232,15 +225,18 @@ class MemoryEstimate:
 _ROOT_PARTS = {"tok_embeddings": "embedding", "output": "output", "norm": "norm"}
 
 
-def param_counts(args: ModelArgs, model_name: str = "llama3") -> dict[str, int]:
+def param_counts(args, model_name: str = "llama3") -> dict[str, int]:
     """Element counts of the meta-built model: 'embedding', 'output', 'norm' (the final one),
     and of one block 'block_split' (what TP splits) and 'block_replicated' (its norms); 'total'."""
+    family = get_family(model_name)
     with torch.device("meta"):
-        model = get_family(model_name).model_cls(args)
+        model = family.model_cls(args)
     counts = dict.fromkeys(("embedding", "output", "norm", "block_split", "block_replicated"), 0)
     for name, p in model.named_parameters():
         if name.startswith("layers.0."):
-            counts["block_split" if name.endswith(_TP_SPLIT) else "block_replicated"] += p.numel()
+            counts["block_split" if name.endswith(family.tp_split) else "block_replicated"] += (
+                p.numel()
+            )
         elif not name.startswith("layers."):
             counts[_ROOT_PARTS[name.split(".")[0]]] += p.numel()
     counts["total"] = sum(p.numel() for p in model.parameters())
@@ -275,6 +271,7 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     """Per token, elements one block saves for backward: (no AC, selective op, full AC)."""
     a, tp = s.model_args, s.tp
     dim, ffn, kv = a.dim, a.ffn_hidden_dim, a.num_kv_heads * a.head_dim
+    q = a.n_heads * a.head_dim  # the attention's width: dim, unless the family sets head_dim
     fp32 = 4 / DTYPE_BYTES[s.param_dtype]  # an fp32 element, in elements of the compute dtype
     # SP: norm inputs/outputs are sequence-sharded; their all-gathered copies (the linears'
     # saved inputs) are whole; everything inside attention/FFN is head/column-sharded.
@@ -286,18 +283,19 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     # copy, or the chunks' repeated keys, (2 cp + 1) / 2 per local token.
     dense_mask = a.document_masking and a.attention_backend == "sdpa"
     repeats = s.cp > 1 or dense_mask or s.device == "cpu"
-    repeated = 2 * dim * (s.cp + 0.5 if s.cp > 1 else 1)
-    sdpa_kv = repeated if repeats and kv < dim else 2 * kv * s.cp
+    repeated = 2 * q * (s.cp + 0.5 if s.cp > 1 else 1)
+    sdpa_kv = repeated if repeats and kv < q else 2 * kv * s.cp
     # q, k, v, SDPA's output and its fp32 logsumexp, wo's input; w1, silu, w3, prod. wo's
     # input is a view of SDPA's output, which the kernels write [b, s, h, hd], but a copy of
     # the two chunks' outputs that CP's attention concatenates [b, h, s, hd].
     outputs = 2 if s.cp > 1 else 1
-    inner = ((1 + outputs) * dim + sdpa_kv + a.n_heads * fp32 + 4 * ffn) / tp
+    extra = get_family(s.model_name).extra_saved_per_token(a)
+    inner = ((1 + outputs) * q + sdpa_kv + a.n_heads * fp32 + 4 * ffn + extra) / tp
     full = norm_io + gathered + inner
     # Selective op: block input + mm outputs (q, k, v before repeat, wo, w1, w3, w2) + sdpa out
     # (CP's gathered k and v are gathered again in backward, like TP's norm outputs);
     # 'op_alternate' recomputes every second matmul: k, wo and w3.
-    mm_out = dim + 2 * kv + dim + 2 * ffn + dim
+    mm_out = q + 2 * kv + dim + 2 * ffn + dim
     if s.selective_ac_option == "op_alternate":
         mm_out -= kv + dim + ffn
     sac = dim / tp + (mm_out + dim) / tp

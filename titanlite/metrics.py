@@ -54,8 +54,8 @@ def num_flops_per_token(num_params: int, model_args, seq_len: int) -> int:
     backward (4N); the second term is the attention scores and weighted sum (QK^T and PV), which
     have no parameters. The causal mask's saved half is not subtracted, as in both references.
     """
-    head_dim = model_args.dim // model_args.n_heads
-    return 6 * num_params + 12 * model_args.n_layers * model_args.n_heads * head_dim * seq_len
+    a = model_args  # head_dim: the family's (dim // n_heads for Llama, explicit for Qwen3)
+    return 6 * num_params + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 
 def get_peak_flops(

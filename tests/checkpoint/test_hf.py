@@ -16,8 +16,10 @@ from titanlite.build import model_args_for
 from titanlite.checkpoint import MARKER
 from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
-from titanlite.hf import to_hf, write_hf_config
+from titanlite.models import get_family
 from titanlite.models.llama.model import Transformer
+
+HF = get_family("llama3").hf
 
 pytestmark = pytest.mark.slow  # every test here runs train.py or torchrun
 
@@ -48,9 +50,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     assert train.main([*seed, "--checkpoint.create_seed_checkpoint"]) == 0
     model = load_dcp_model(tiny_model(), root / "seed" / "checkpoint" / "step-0")
     (root / "hf0").mkdir()
-    save_file(to_hf(model.state_dict(), model.args, torch.float32),
+    save_file(HF.to_hf(model.state_dict(), model.args, torch.float32),
               str(root / "hf0" / "model.safetensors"))  # fmt: skip
-    write_hf_config(root / "hf0", model.args, "float32")
+    HF.write_config(root / "hf0", model.args, "float32")
 
     ref = [*ONE_STEP, "--checkpoint.last_save_model_only", "--job.dump_folder", str(root / "ref")]
     assert train.main(ref) == 0
@@ -66,7 +68,7 @@ def test_last_save_in_hf_is_what_transformers_loads_with_the_runs_logits(tiny, r
     ours = load_dcp_model(tiny_model(), runs["ref"] / "checkpoint" / "step-1")
     export = runs["hf1"] / "checkpoint" / "step-1"
     # the same weights as the run that saved them in DCP, in HF's names and row order
-    want = to_hf(ours.state_dict(), ours.args, torch.float32)
+    want = HF.to_hf(ours.state_dict(), ours.args, torch.float32)
     got = tiny.hf_weights(export)
     assert got.keys() == want.keys()
     for name, w in want.items():

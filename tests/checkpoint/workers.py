@@ -28,9 +28,11 @@ from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
 from titanlite.checkpoint.staging import ReusingStager
 from titanlite.config import Checkpoint
 from titanlite.distributed import destroy
-from titanlite.hf import to_hf, write_hf_config
+from titanlite.models import get_family
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.model import Transformer
+
+HF = get_family("llama3").hf
 
 
 def slow_save(folder: str) -> None:
@@ -144,9 +146,9 @@ def split_heads(root: str) -> None:
     if dist.get_rank() == 0:
         src.mkdir()
         save_file(
-            to_hf(ref.state_dict(), SPLIT_HEADS, torch.float32), str(src / "model.safetensors")
+            HF.to_hf(ref.state_dict(), SPLIT_HEADS, torch.float32), str(src / "model.safetensors")
         )
-        write_hf_config(src, SPLIT_HEADS, "float32")
+        HF.write_config(src, SPLIT_HEADS, "float32")
     dist.barrier()
     with torch.device("meta"):
         model = Transformer(SPLIT_HEADS)

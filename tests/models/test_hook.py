@@ -10,7 +10,7 @@ from titanlite.checks import check_options
 from titanlite.config import ConfigError
 from titanlite.config_parse import parse_args
 from titanlite.distributed import init_distributed
-from titanlite.models import FAMILIES, ModelFamily, get_family
+from titanlite.models import FAMILIES, get_family
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.model import Transformer
 
@@ -35,12 +35,8 @@ def test_an_unregistered_name_is_refused_with_the_registered_ones():
 
 def test_a_family_registered_through_the_hook_trains_a_step(tmp_path, monkeypatch):
     llama3 = get_family("llama3")
-    toy = ModelFamily(
-        name="toy", flavors=TOY_FLAVORS, model_args=toy_args, model_cls=ToyTransformer,
-        parallelize=llama3.parallelize, init_weights=llama3.init_weights,
-        pipeline=llama3.pipeline, tensor_parallel=llama3.tensor_parallel,
-        flops_per_token=llama3.flops_per_token,
-    )  # fmt: skip
+    toy = replace(llama3, name="toy", flavors=TOY_FLAVORS, model_args=toy_args,
+                  model_cls=ToyTransformer)  # fmt: skip
     monkeypatch.setitem(FAMILIES, "toy", toy)
     argv = ["--job.config_file", "debug_model.toml", "--model.name", "toy"]
     argv += ["--model.flavor", "tiny", "--model.vocab_limit", "512", "--training.steps", "1"]

@@ -17,9 +17,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from titanlite.checkpoint import CheckpointManager, plan_load
 from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import Checkpoint
-from titanlite.hf import LAYER_KEYS, from_hf_lazily, hf_config, to_hf
+from titanlite.models import get_family
 from titanlite.models.llama.args import ModelArgs, get_model_args
 from titanlite.models.llama.model import Transformer
+
+HF = get_family("llama3").hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,7 +87,7 @@ def test_dcp_to_hf_writes_one_shard_per_unit_with_an_index(debug_ckpt):
     assert len(index["weight_map"]) == len(model.state_dict())
     assert index["metadata"]["total_size"] == total
     first_block = {k for k, f in index["weight_map"].items() if f == shards[1]}
-    assert first_block == {f"model.layers.0.{hf}" for hf in LAYER_KEYS.values()}
+    assert first_block == {f"model.layers.0.{hf}" for hf in HF.layer_keys.values()}
 
 
 @pytest.mark.parametrize("layout", ["sharded", "single_file"])
@@ -96,7 +98,7 @@ def test_hf_to_dcp_round_trip_loads_as_initial_weights(debug_ckpt, layout):
         hf_dir = root / "hf_single"
         hf_dir.mkdir()
         (hf_dir / "config.json").write_text((root / "hf" / "config.json").read_text())
-        save_file(to_hf(model.state_dict(), args, torch.float32),
+        save_file(HF.to_hf(model.state_dict(), args, torch.float32),
                   str(hf_dir / "model.safetensors"))  # fmt: skip
     dcp_dir = root / f"from_hf_{layout}"
     assert conv.main(["hf-to-dcp", str(hf_dir), str(dcp_dir)]) == 0
@@ -118,15 +120,15 @@ def test_gqa_and_scaled_rope_match_hf():
         use_scaled_rope=True, max_seq_len=64,
     )  # fmt: skip
     model = build(args, seed=2)
-    hf_cfg = transformers.LlamaConfig(**hf_config(args, "float32"))
+    hf_cfg = transformers.LlamaConfig(**HF.config(args, "float32"))
     hf = transformers.LlamaForCausalLM(hf_cfg)
-    hf.load_state_dict(to_hf(model.state_dict(), args, torch.float32))
+    hf.load_state_dict(HF.to_hf(model.state_dict(), args, torch.float32))
     tokens = torch.randint(0, args.vocab_size, (2, 40))
     with torch.no_grad():
         diff = (model(tokens) - hf_logits(hf, tokens)).abs().max()
     assert diff <= 1e-4
-    hf_weights = to_hf(model.state_dict(), args, torch.float32)
-    convert = from_hf_lazily(hf_weights.__getitem__, hf_cfg.to_dict(), torch.float32)
+    hf_weights = HF.to_hf(model.state_dict(), args, torch.float32)
+    convert = HF.from_hf_lazily(hf_weights.__getitem__, hf_cfg.to_dict(), torch.float32)
     back = {ours: make() for ours, (_, make) in convert.items()}
     for name, p in model.state_dict().items():
         assert torch.equal(p, back[name]), name

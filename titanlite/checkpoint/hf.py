@@ -29,26 +29,25 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from titanlite.checkpoint.layout import rank, world_size
 from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import ConfigError
-from titanlite.hf import (
-    from_hf_rope,
-    hf_files,
-    hf_name,
-    to_hf_rope_in_file,
-    units,
-    write_hf_config,
-)
-from titanlite.models.llama.args import ModelArgs
+from titanlite.hf import HFFormat, from_hf_rope, hf_files, to_hf_rope_in_file
+from titanlite.models import get_family
 from titanlite.precision import DTYPES
 from titanlite.torch_compat import consolidate_hf_safetensors
 
 
-def hf_names(args: ModelArgs, names) -> dict[str, tuple[str, int | None]]:
+def hf_format(args) -> HFFormat:
+    """The HF layout of the family whose args these are (the args class names its family)."""
+    return get_family(args.family_name).hf
+
+
+def hf_names(args, names) -> dict[str, tuple[str, int | None]]:
     """{titanlite name: (HF name, RoPE head count or None)} for the model's weights."""
-    return {ours: hf_name(ours, args.n_heads, args.num_kv_heads) for ours in names}
+    return hf_format(args).names(args, names)
 
 
-def check_heads(cfg: dict, args: ModelArgs, path: Path) -> None:
-    """The shapes cannot tell how rows split into heads, and the RoPE order depends on it."""
+def check_heads(cfg: dict, args, path: Path) -> None:
+    """The shapes cannot tell how rows split into heads, and the RoPE order depends on it; nor
+    whether the output is the embedding."""
     heads = (
         cfg["num_attention_heads"],
         cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
@@ -57,6 +56,12 @@ def check_heads(cfg: dict, args: ModelArgs, path: Path) -> None:
         raise ConfigError(
             f"{path / 'config.json'} has {heads[0]} attention / {heads[1]} key-value heads, the "
             f"model {args.n_heads} / {args.num_kv_heads}: pick the matching --model.flavor"
+        )
+    tied = bool(cfg.get("tie_word_embeddings"))
+    if tied != args.tie_embeddings:
+        raise ConfigError(
+            f"{path / 'config.json'} has tie_word_embeddings={tied}, the model's flavor "
+            f"{'ties' if args.tie_embeddings else 'does not tie'} them: pick a matching flavor"
         )
 
 
@@ -108,6 +113,7 @@ def load_hf(model, path: Path) -> None:
     msd = get_model_state_dict(model)
     names = hf_names(args, msd)
     state = {names[ours][0]: t for ours, t in msd.items()}
+    # Rows per head of each permuted weight: head_dim (a per-head norm's is one head).
     head_dims = {hf: args.head_dim for hf, heads in names.values() if heads is not None}
     with single_process_quietly():
         dcp.load(
@@ -119,7 +125,8 @@ def load_hf(model, path: Path) -> None:
 
 
 def save_hf(model, out: Path, dtype: str) -> None:
-    """Write `model` (any layout) as a HF Llama folder `out` in `dtype`; called on every rank."""
+    """Write `model` (any layout) as a HF folder `out` (its family's layout) in `dtype`; called
+    on every rank."""
     args = model.args
     msd = get_model_state_dict(model)
     names = hf_names(args, msd)
@@ -129,7 +136,8 @@ def save_hf(model, out: Path, dtype: str) -> None:
         dcp.save(
             state, storage_writer=HuggingFaceStorageWriter(str(sharded), save_distributed=True)
         )
-    file_of = {names[ours][0]: i for i, unit in enumerate(units(args.n_layers), 1) for ours in unit}
+    units = hf_format(args).units(args)
+    file_of = {names[ours][0]: i for i, unit in enumerate(units, 1) for ours in unit}
     consolidate_hf_safetensors(str(sharded), str(out), file_of)
     # Every rank sees the index rank 0 wrote (the consolidation ends with a barrier).
     files = hf_files(out)
@@ -141,5 +149,5 @@ def save_hf(model, out: Path, dtype: str) -> None:
     if world > 1:
         dist.barrier()
     if me == 0:
-        write_hf_config(out, args, dtype)
+        hf_format(args).write_config(out, args, dtype)
         shutil.rmtree(sharded)

@@ -2,9 +2,9 @@
 
 A family lives in its own folder and registers itself there; the one import line at the bottom
 of this file loads it. The trainer, the dry run, the estimator, the HF converter and generate.py
-ask `get_family(cfg.model.name)` and never import a family's modules directly. Hugging Face
-conversion (titanlite/hf.py) is Llama 3's key map: the record gains an HF field with the first
-family whose HF layout differs.
+ask `get_family(cfg.model.name)` and never import a family's modules directly
+(tests/models/test_family_imports.py holds them to it). docs/model-families.md describes each
+field, with Qwen3 as the worked example.
 """
 
 from collections.abc import Callable, Mapping
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from titanlite.config import ConfigError
+from titanlite.hf import HFFormat
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class ModelFamily:
     pipeline: Callable[..., nn.Module]
     tensor_parallel: Callable[..., None]  # (model, tp_mesh, shard_logits): TP alone (inference)
     flops_per_token: Callable[[int, object, int], int]  # (params w/o embedding, args, seq_len)
+    hf: HFFormat  # the Hugging Face key map and config.json (import and export)
+    # Memory estimator: the parameter-name suffixes tensor parallelism splits, and the elements
+    # per token one block saves for backward (no AC) beyond the shared decoder block's (the
+    # estimator's block_activation_elems), before TP's split: (args) -> elements.
+    tp_split: tuple[str, ...]
+    extra_saved_per_token: Callable[[object], float] = lambda args: 0.0
 
 
 FAMILIES: dict[str, ModelFamily] = {}
@@ -50,6 +57,15 @@ def register(family: ModelFamily) -> ModelFamily:
     return family
 
 
+def family_of_hf(model_type: str) -> ModelFamily:
+    """The family whose Hugging Face config.json says `model_type`."""
+    for family in FAMILIES.values():
+        if family.hf.model_type == model_type:
+            return family
+    known = ", ".join(f.hf.model_type for f in FAMILIES.values())
+    raise ConfigError(f"no registered model family reads HF model_type {model_type!r}: {known}")
+
+
 def get_family(name: str) -> ModelFamily:
     if name not in FAMILIES:
         raise ConfigError(f"model.name {name!r} is not a registered model; registered: "
@@ -59,3 +75,4 @@ def get_family(name: str) -> ModelFamily:
 
 # The families: each registers itself on import.
 import titanlite.models.llama  # noqa: E402, F401, I001
+import titanlite.models.qwen3  # noqa: E402, F401, I001

@@ -46,7 +46,7 @@ efficiencies are calibrated from real runs (titanlite/plan/calibrate.py).
 from dataclasses import asdict, dataclass, field
 
 from titanlite.config import Parallelism
-from titanlite.models.llama.pipeline_plan import LOOPED, SINGLE_STAGE, V_SHAPED, plan_pipeline
+from titanlite.models.pipeline_plan import LOOPED, SINGLE_STAGE, V_SHAPED, plan_pipeline
 from titanlite.plan.devices import Device
 
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW: read p, g, m, v; write p, m, v (fp32)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from titanlite.build import count_params
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import float8_enabled
 from titanlite.job import resolve_global_batch, resolve_model
@@ -33,18 +34,18 @@ def model_of(config: JobConfig, vocab_size: int, seq_len: int | None = None) -> 
     args = resolve_model(config, vocab_size).args
     counts = param_counts(args, config.model.name)
     family = get_family(config.model.name)
-    head_dim = args.dim // args.n_heads
     shape = Shape(
         dim=args.dim,
         ffn_dim=args.ffn_hidden_dim,
         n_layers=args.n_layers,
         n_heads=args.n_heads,
-        head_dim=head_dim,
-        kv_dim=(args.n_kv_heads or args.n_heads) * head_dim,
+        head_dim=args.head_dim,
+        kv_dim=args.num_kv_heads * args.head_dim,
         vocab=args.vocab_size,
         block_linear_params=counts["block_split"],
         params_total=counts["total"],
-        flops_per_token=family.flops_per_token(counts["total"] - counts["embedding"], args, seq),
+        # train.py's count: without the embedding, unless it is the output projection too.
+        flops_per_token=family.flops_per_token(count_params(config, args, True), args, seq),
         seq_len=seq,
     )
     return Model(config.model.name, args, counts, shape)

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from titanlite.models.llama.args import get_model_args
 from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.pipeline import PipelinedModel, cut_stage
-from titanlite.models.llama.pipeline_plan import plan_pipeline, split_layers
+from titanlite.models.pipeline_plan import plan_pipeline, split_layers
 
 
 def options(schedule="1F1B", layers_per_stage=0, first=1, last=1, microbatch_size=1, csv=""):

@@ -5,8 +5,14 @@ from torch import nn
 from titanlite.metrics import num_flops_per_token
 from titanlite.models import ModelFamily, register
 from titanlite.models.llama.args import LLAMA3_FLAVORS, get_model_args
+from titanlite.models.llama.hf import LLAMA_HF
 from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.parallelize import apply_tp, init_weights_parallel, parallelize_llama
+from titanlite.models.llama.parallelize import (
+    TP_SPLIT,
+    apply_tp,
+    init_weights_parallel,
+    parallelize_llama,
+)
 
 
 def pipeline_llama(model, plan, parallel_dims, prepare_stage, device) -> nn.Module:
@@ -33,5 +39,7 @@ LLAMA3 = register(
         pipeline=pipeline_llama,
         tensor_parallel=apply_tp,
         flops_per_token=num_flops_per_token,
+        hf=LLAMA_HF,
+        tp_split=TP_SPLIT,
     )
 )

@@ -2,6 +2,7 @@
 
 import re
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from titanlite.config import ConfigError
 from titanlite.models import pad_vocab  # noqa: F401 (imported from here by scripts and tests)
@@ -15,6 +16,8 @@ ROPE_OLD_CONTEXT_LEN = 8192
 
 @dataclass
 class ModelArgs:
+    family_name: ClassVar[str] = "llama3"  # the family these args are of (its HF layout)
+
     dim: int
     n_layers: int
     n_heads: int
@@ -34,6 +37,10 @@ class ModelArgs:
     attention_backend: str = "sdpa"
     bos_id: int = -1
     eos_id: int = -1
+    # Options of the shared decoder (model.py) that Llama 3 does not use: RMSNorm of each head's
+    # q and k before RoPE, and the output projection tied to the embedding.
+    qk_norm: bool = False
+    tie_embeddings: bool = False
 
     def __post_init__(self):
         if self.dim % self.n_heads:

@@ -165,6 +165,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # QK-norm (Qwen3): each head's q and k RMS-normalized before RoPE, one weight per norm
+        # shared by the heads.
+        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, mask=None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -172,6 +176,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, dim] -> [b, s, hq, hd]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, kv_dim] -> [b, s, hkv, hd]
         v = self.wv(x).view(b, s, -1, self.head_dim)  # [b, s, kv_dim] -> [b, s, hkv, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, s, h, hd] -> [b, h, s, hd]
         out = self.attend(q, k, v, mask)  # [b, hq, s, hd]
@@ -214,6 +220,23 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class TiedOutput(nn.Module):
+    """The output projection by the embedding's weight, which it reads but does not hold: the
+    model has one [vocab, dim] parameter, so moving it (to_empty, which gives each module its own
+    copy of a shared parameter), FSDP and checkpoints see it once."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self._embedding = [embedding]  # in a list: not registered as a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding[0].weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -226,7 +249,10 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output = TiedOutput(self.tok_embeddings)
+        else:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so checkpoints stay Meta-compatible.
         self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
         # (h, output weight, labels, chunk_tokens) -> summed CE; apply_tp swaps in a sharded one.
@@ -238,9 +264,9 @@ class Transformer(nn.Module):
         """The distribution of parameter `name` (a state-dict key, any layout's)."""
         if name.endswith("norm.weight"):
             return ParamInit(constant=1.0)
-        if name == "tok_embeddings.weight":
+        if name == "tok_embeddings.weight" and not self.args.tie_embeddings:
             return ParamInit(std=1.0)
-        if name == "output.weight":
+        if name in ("output.weight", "tok_embeddings.weight"):  # (tied: the output's scale)
             # 1/sqrt(dim) keeps the initial logits O(1): the first loss is close to ln(vocab).
             std = self.args.dim**-0.5
             return ParamInit(std=std, bound=3 * std)
@@ -288,7 +314,8 @@ class Transformer(nn.Module):
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameter count (global under FSDP/TP: DTensor.numel() is the full size)."""
         n = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.tok_embeddings is not None:
+        # A tied embedding is the output projection too, whose matmul counts.
+        if exclude_embedding and self.tok_embeddings is not None and not self.args.tie_embeddings:
             n -= self.tok_embeddings.weight.numel()
         return n
 

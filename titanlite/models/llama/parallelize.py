@@ -93,6 +93,13 @@ def parallelize_llama(
     return model
 
 
+# Parameter-name suffixes that apply_tp splits (the memory estimator's count of them).
+TP_SPLIT = (
+    "wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight",
+    "tok_embeddings.weight", "output.weight",
+)  # fmt: skip
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_logits: bool) -> None:
     """Megatron TP with sequence parallelism on the norms.
 
@@ -137,6 +144,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_logits: bool) -> None:
         "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
         "feed_forward.w3": colwise(),
     }
+    if any(block.attention.q_norm is not None for block in model.layers.values()):
+        # QK-norm: q and k arrive as this rank's heads [b, s, h/tp, hd], sharded on dim 2; the
+        # norms' weights are replicated, so their gradients are summed over the TP group.
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            block_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
 

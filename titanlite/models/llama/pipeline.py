@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from titanlite.models.llama.pipeline_plan import PipelinePlan
+from titanlite.models.pipeline_plan import PipelinePlan
 from titanlite.torch_compat import csv_schedule, pipeline_stage_base
 
 

@@ -95,7 +95,7 @@ def plan_pipeline(n_layers: int, pp: int, local_batch_size: int, p) -> PipelineP
     if csv:
         # Imported here: the check needs torch.distributed.pipelining, whose import loads
         # torch._dynamo (~0.5 s on a 2-core CPU), and only a run with a file checks one.
-        from titanlite.models.llama.schedule_csv import check_schedule_csv
+        from titanlite.models.schedule_csv import check_schedule_csv
 
         check_schedule_csv(csv, plan, pp, p)
     return plan

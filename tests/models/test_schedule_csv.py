@@ -8,7 +8,7 @@ import pytest
 from conftest import write_torch_schedule
 
 from titanlite.config import ConfigError
-from titanlite.models.llama.pipeline_plan import plan_pipeline
+from titanlite.models.pipeline_plan import plan_pipeline
 
 # torch's 1F1B on 2 ranks, 2 microbatches: the file a plain PP 2 run of the debug model fits.
 ONE_F_ONE_B = "0F0,0F1,,0B0,,0B1\n,1F0,1B0,1F1,1B1\n"
