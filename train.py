@@ -23,6 +23,7 @@ import torch
 from titanlite.bad_steps import NonFiniteError, on_nonfinite, skips_loss_spike
 from titanlite.build import build_model, count_params, init_model
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
+from titanlite.checkpoint.seed import write_seed_checkpoint
 from titanlite.checks import check_run, check_single_process
 from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import dump_toml, parse_args
@@ -42,7 +43,7 @@ from titanlite.distributed import (
     to_device,
     world_sum,
 )
-from titanlite.dry_run import dry_run, write_seed_checkpoint
+from titanlite.dry_run import dry_run
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.host import GarbageCollection
 from titanlite.loss import IGNORE_INDEX
