@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -64,6 +65,7 @@ from titanlite.plan.run import plan_layout, prediction
 from titanlite.precision import apply_tf32, resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titanlite.rehearsal import rehearse
 from titanlite.straggler import SlowRankFinder, local_numel, synchronize
 from titanlite.train_state import TrainState
 from titanlite.validate import Validator
@@ -336,6 +338,9 @@ class Trainer:
             loss = dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens
             flags = [f.to(loss.dtype) for f in flags] + [loss]
         finite, stop, *loss = torch.stack(flags).tolist()
+        # A rehearsal's values are meaningless (fake collectives): every step takes its update,
+        # whose time and optimizer state it measures, and a NaN never stops it.
+        finite = finite or self.cfg.comm.mode == "fake_backend"
         self.checkpointer.wait_for_staging()  # an async save's copy, overlapping fwd/bwd, is done
         spike = finite and loss and skips_loss_spike(loss[0], self.state, self.cfg, self.loader)
         t_optimizer, optimizer_seconds = time.perf_counter(), None
@@ -436,6 +441,8 @@ def main(argv=None) -> int:
     if cfg.comm.mode == "fake_backend" or cfg.checkpoint.create_seed_checkpoint:
         init_logger(0, 0)
         job = dry_run if cfg.comm.mode == "fake_backend" else write_seed_checkpoint
+        if cfg.comm.fake_steps:
+            job = partial(rehearse, trainer_cls=Trainer)
         try:
             return job(cfg)
         except ConfigError as e:
