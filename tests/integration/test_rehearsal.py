@@ -4,7 +4,6 @@ rank of the target world over fake collectives, measured, as train.py runs it.""
 import json
 
 import pytest
-
 from conftest import config_error, run_train
 
 SMALL = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
