@@ -31,7 +31,11 @@ import torch.distributed as dist
 from titanlite.distributed import destroy, init_fake_distributed, local_value
 from titanlite.memory_estimate import GIB, estimate
 from titanlite.metrics import compute_throughput
-from titanlite.plan.shape import setup_from_config
+from titanlite.plan import calibrate
+from titanlite.plan.devices import get_device
+from titanlite.plan.perf import predict
+from titanlite.plan.run import gpu_kind
+from titanlite.plan.shape import layout_of, model_of, setup_from_config
 from titanlite.straggler import synchronize
 
 logger = logging.getLogger("titanlite")
@@ -69,6 +73,7 @@ def rehearse(cfg, trainer_cls) -> int:
         **throughput(trainer, seconds, world),
         "measured_peak_gib": measured_peak_gib(device),
         "estimated_peak_gib": round(estimated_peak(cfg, trainer, world, rank, device), 3),
+        "planner": planner_prediction(cfg, trainer, world, device),
         "fake_collectives": probe,
     }
     trainer.close()
@@ -205,6 +210,20 @@ def estimated_peak(cfg, trainer, world: int, rank: int, device: torch.device) ->
     """The estimator's peak (GiB) for this rank on this device type."""
     setup = setup_from_config(cfg, world, trainer.model_args, device=device.type, rank=rank)
     return estimate(setup).total / GIB
+
+
+def planner_prediction(cfg, trainer, world: int, device: torch.device) -> dict | None:
+    """The planner's figures for the whole job, communication included, on this GPU's kind
+    (or parallelism.plan_device) with 8 GPUs per node: what the rehearsal's compute-only step
+    leaves out. None on a device the table lacks."""
+    kind = gpu_kind(cfg, device)
+    if kind is None:
+        return None
+    model = model_of(cfg, trainer.model_args.vocab_size)
+    layout = layout_of(cfg, world)
+    p = predict(model.shape, layout, get_device(kind), min(world, 8), calibrate.load(kind))
+    return {"device": kind, "step_s": round(p.step_s, 4), "mfu_pct": round(100 * p.mfu, 2),
+            "tokens_per_s_per_gpu": round(p.tokens_per_s_per_gpu, 1)}  # fmt: skip
 
 
 def device_name(device: torch.device) -> str:
