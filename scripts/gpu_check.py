@@ -6,8 +6,9 @@
     scripts/gpu_check.sh --cpu-smoke debug     # the plumbing on a CPU, a tiny model, 3 steps
     scripts/gpu_check.sh rehearse              # one rank of 8B on 8 GPUs, on this one (~3 min)
 
-The rehearse and rehearse_scale stages (scripts/gpu_check_rehearse.py) rehearse one rank of the
-shipped multi-GPU configs at their real world size on the GPU present (docs/rehearsal.md).
+The rehearse, rehearse_70b and rehearse_405b stages (scripts/gpu_check_rehearse.py) rehearse one
+rank of the shipped multi-GPU configs at their real world size on the GPU present
+(docs/rehearsal.md).
 
 Each run is a fresh process (train.py, scripts/estimate_memory.py or scripts/bench_loss.py) with
 its own folder under {out}/runs/<name>/ (metrics.jsonl, log). Every finished run appends one row
@@ -40,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_rehearse import (  # noqa: E402
     Rehearsal,
     execute_rehearsal,
-    rehearse_scale_stage,
+    rehearse_70b_stage,
+    rehearse_405b_stage,
     rehearse_stage,
 )
 from gpu_check_report import (  # noqa: E402
@@ -292,7 +294,8 @@ STAGES = {
     "calibrate": (1, 7, calibrate_stage),
     "scale": (1, 7, scale_stage),
     "rehearse": (1, 3, rehearse_stage),
-    "rehearse_scale": (1, 10, rehearse_scale_stage),
+    "rehearse_70b": (1, 8, rehearse_70b_stage),
+    "rehearse_405b": (1, 8, rehearse_405b_stage),
     "multi": (2, 8, multi_stage),
     "8b": (8, 5, eight_b_stage),
 }

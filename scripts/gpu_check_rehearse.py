@@ -72,24 +72,35 @@ def rehearse_stage(m) -> list[Rehearsal]:
     return [Rehearsal("r_8B_fsdp8", "llama_8b.toml", 8, 0)]
 
 
-def rehearse_scale_stage(m) -> list[Rehearsal]:
-    """70B at 64 and 256 ranks (its shipped layout; at 256 the planner's best, op, and its former
-    TP 8 layout), 405B at 512 (its shipped layout; a PP 8 variant's first and last stage)."""
+def rehearse_70b_stage(m) -> list[Rehearsal]:
+    """70B at 64 ranks (shipped layout) and 256 (the planner's best there, op; the former TP 8
+    layout); one accumulation microbatch per step (its memory and speed are the shipped
+    step's)."""
     if m.cpu_smoke:
         pp = ("--parallelism.pipeline_parallel_degree", "2")
-        return [
-            Rehearsal("r_debug_pp2_first", "debug_model.toml", 8, 3, pp, steps=2),
-            Rehearsal("r_debug_pp2_last", "debug_model.toml", 8, 7, pp, steps=2),
-        ]
+        return [Rehearsal("r_debug_pp2_first", "debug_model.toml", 8, 3, pp, steps=2)]
     op = ("--activation_checkpoint.selective_ac_option", "op")
     return [
-        Rehearsal("r_70B_64", "llama_70b.toml", 64, 0),
-        Rehearsal("r_70B_256_op", "llama_70b.toml", 256, 0, op),
-        Rehearsal("r_70B_256_tp8", "llama_70b.toml", 256, 0, TP8_70B),
-        Rehearsal("r_405B_512", "llama_405b.toml", 512, 0),
-        Rehearsal("r_405B_512_pp8_first", "llama_405b.toml", 512, 0, PP8_405B),
-        Rehearsal("r_405B_512_pp8_last", "llama_405b.toml", 512, 511, PP8_405B),
+        Rehearsal("r_70B_64", "llama_70b.toml", 64, 0, one_microbatch(64 // 4 * 2), 3),
+        Rehearsal("r_70B_256_op", "llama_70b.toml", 256, 0, (*op, *one_microbatch(128)), 3),
+        Rehearsal("r_70B_256_tp8", "llama_70b.toml", 256, 0, TP8_70B, 3),
     ]
+
+
+def rehearse_405b_stage(m) -> list[Rehearsal]:
+    """405B at 512 ranks: its shipped layout, and a PP 8 variant's first and last stage."""
+    if m.cpu_smoke:
+        pp = ("--parallelism.pipeline_parallel_degree", "2")
+        return [Rehearsal("r_debug_pp2_last", "debug_model.toml", 8, 7, pp, steps=2)]
+    return [
+        Rehearsal("r_405B_512", "llama_405b.toml", 512, 0, steps=3),
+        Rehearsal("r_405B_512_pp8_first", "llama_405b.toml", 512, 0, PP8_405B, 3),
+        Rehearsal("r_405B_512_pp8_last", "llama_405b.toml", 512, 511, PP8_405B, 3),
+    ]
+
+
+def one_microbatch(sequences: int) -> tuple[str, ...]:
+    return ("--training.global_batch_size", str(sequences))
 
 
 def execute_rehearsal(reh: Rehearsal, out: Path, machine, timeout_s: float, launch) -> dict:

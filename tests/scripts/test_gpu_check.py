@@ -111,7 +111,8 @@ def test_estimate_runs_estimate_memory_with_the_runs_flags(tmp_path):
 
 
 def rehearsals(machine) -> list:
-    return [s for name in ("rehearse", "rehearse_scale") for s in gc.STAGES[name][2](machine)]
+    stages = ("rehearse", "rehearse_70b", "rehearse_405b")
+    return [step for name in stages for step in gc.STAGES[name][2](machine)]
 
 
 @pytest.mark.parametrize("machine", [GPU, CPU_SMOKE], ids=["gpu", "cpu_smoke"])
