@@ -11,6 +11,7 @@ stream c4; here they run on the offline cl100k tokenizer (vocab 100,352, padded,
 """
 
 import json
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -127,16 +128,30 @@ def execute_rehearsal(reh: Rehearsal, out: Path, machine, timeout_s: float, laun
 
 
 def rank_estimate(reh, args, folder: Path, machine, timeout_s: float, launch) -> float | None:
-    """estimate_memory.py's peak (GiB, less its allowance outside the allocator) of the job's
-    heaviest pipeline rank at `reh.world` ranks."""
-    from gpu_check_report import parse_estimate
-
+    """estimate_memory.py's peak (GiB, less its allowance outside the allocator) of the
+    rehearsed rank at `reh.world` ranks (under PP: its pipeline rank's column)."""
     device = ["--device", "cpu"] if machine.cpu_smoke else []
     cmd = [sys.executable, str(REPO / "scripts" / "estimate_memory.py"), *args,
            "--world_size", str(reh.world), *device]  # fmt: skip
     if launch(cmd, folder / "estimate.log", timeout_s) != 0:
         return None
-    return parse_estimate((folder / "estimate.log").read_text())
+    return parse_rank_estimate((folder / "estimate.log").read_text(), reh.rank, reh.world)
+
+
+def parse_rank_estimate(text: str, rank: int, world: int) -> float | None:
+    """The estimate table's total for global `rank`: one column, or one per pipeline rank (the
+    outermost mesh dim: pipeline rank = rank x columns // world); less the 'context / NCCL /
+    slack' row where there is one (outside the allocator, which the measured peak is)."""
+
+    def row(name: str) -> float | None:
+        found = re.search(rf"^{re.escape(name)}((?:\s+[\d.]+)+)\s*$", text, re.M)
+        if found is None:
+            return None
+        values = [float(v) for v in found.group(1).split()]
+        return values[rank * len(values) // world]
+
+    total = row("total (estimated peak per rank)")
+    return None if total is None else total - (row("context / NCCL / slack") or 0.0)
 
 
 def figures(report: dict, estimate_gib: float) -> dict:

@@ -162,3 +162,14 @@ def test_cpu_smoke_rehearses_a_rank_end_to_end(tmp_path):
     assert row["estimate_gib"] > 0 and "rank 3 of 8" in row["why"]
     assert "planner" in row["why"] and "with communication on h100-sxm" in row["why"]
     assert "| PASS (rank 3 of 8" in (out / "table.md").read_text()
+
+
+def test_a_rehearsed_ranks_estimate_is_its_pipeline_ranks_column():
+    from gpu_check_rehearse import parse_rank_estimate
+
+    pp = "total (estimated peak per rank)      72.337   69.076   53.347\n"
+    assert [parse_rank_estimate(pp, r, 12) for r in (0, 3, 4, 11)] == [72.337, 72.337, 69.076,
+                                                                       53.347]  # fmt: skip
+    flat = "context / NCCL / slack   2.5\ntotal (estimated peak per rank)   44.5\n"
+    assert parse_rank_estimate(flat, 5, 8) == 42.0
+    assert parse_rank_estimate("nothing", 0, 8) is None
