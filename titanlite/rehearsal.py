@@ -17,6 +17,7 @@ validation, checkpoints) runs. A probe records what the fake collectives of this
 import copy
 import json
 import logging
+import os
 import resource
 import statistics
 import time
@@ -29,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from titanlite.distributed import destroy, init_fake_distributed, local_value
+from titanlite.host import keep_freed_memory
 from titanlite.memory_estimate import GIB, estimate
-from titanlite.metrics import compute_throughput
+from titanlite.metrics import compute_throughput, default_expandable_segments
 from titanlite.plan import calibrate
 from titanlite.plan.devices import get_device
 from titanlite.plan.perf import predict
@@ -46,10 +48,14 @@ def rehearse(cfg, trainer_cls) -> int:
     on this device, run comm.fake_steps steps, and write the rank's figures to dry_run.json."""
     cfg = rehearsal_config(cfg)
     comm = cfg.comm
+    # The process as train.py sets up a real rank: its allocator, its malloc, its seed.
+    default_expandable_segments(os.environ, torch.cuda.is_available())
     here = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dist_env = init_fake_distributed(comm.fake_rank, comm.fake_world_size, here)
     rank, _, world, device = dist_env
+    torch.manual_seed(cfg.debug.seed)
     if device.type == "cpu":
+        keep_freed_memory()
         torch.set_flush_denormal(True)  # garbage values must not slow the CPU's arithmetic
     probe = probe_fake_collectives(device)
     logger.warning(
