@@ -52,12 +52,14 @@ def test_rehearsal_runs_real_steps_of_rank_3_of_8(tmp_path, layout, args, share)
 @pytest.mark.slow
 def test_rehearsal_of_the_last_stage_and_a_diverging_run_does_not_stop(tmp_path):
     """A learning rate that makes the weights non-finite after the first update stops a real run
-    (training.on_nonfinite stop); a rehearsal takes every step. Rank 7 is on the last stage,
-    which receives the hidden states' description it would get from rank 3."""
-    args = [PAR + "pipeline_parallel_degree", "2", "--optimizer.lr", "1e30"]
-    args += ["--lr_scheduler.warmup_steps", "0", "--training.on_nonfinite", "stop"]
-    report, _ = rehearse(tmp_path, 7, 8, 3, *args)
+    (training.on_nonfinite stop); a rehearsal takes every step. Rank 7 of PP 2 x CP 2 x FSDP 2
+    is on the last stage, which receives the hidden states' description (their sequence split
+    by CP) it would get from the first stage's rank."""
+    args = [PAR + "pipeline_parallel_degree", "2", PAR + "context_parallel_degree", "2"]
+    args += ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
+    report, _ = rehearse(tmp_path, 7, 8, 3, *args, "--training.on_nonfinite", "stop")
     assert report["steps"] == 3 and report["rank"] == 7
+    assert "pp=2, dp_replicate=1, dp_shard=2, cp=2, tp=1" in report["layout"]
 
 
 def test_fake_steps_without_the_fake_backend_is_an_error():
