@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ import torch
 from titanlite.bad_steps import NonFiniteError, on_nonfinite, skips_loss_spike
 from titanlite.build import build_model, count_params, init_model
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
+from titanlite.checkpoint.seed import write_seed_checkpoint
 from titanlite.checks import check_options, check_single_process
 from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import dump_toml, parse_args
@@ -43,7 +45,7 @@ from titanlite.distributed import (
     to_device,
     world_sum,
 )
-from titanlite.dry_run import dry_run, write_seed_checkpoint
+from titanlite.dry_run import dry_run
 from titanlite.eval.validation import Validator
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.host import GarbageCollection
@@ -66,6 +68,7 @@ from titanlite.plan.run import prediction
 from titanlite.precision import apply_tf32, resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titanlite.rehearsal import rehearse
 from titanlite.shared_storage import check_job_folders_shared
 from titanlite.straggler import SlowRankFinder, local_numel, synchronize
 from titanlite.train_state import TrainState
@@ -341,6 +344,9 @@ class Trainer:
             loss = dist_sum(loss_sum, self.parallel_dims.loss_mesh) / tokens
             flags = [f.to(loss.dtype) for f in flags] + [loss]
         finite, stop, *loss = torch.stack(flags).tolist()
+        # A rehearsal's values are meaningless (fake collectives): every step takes its update,
+        # whose time and optimizer state it measures, and a NaN never stops it.
+        finite = finite or self.cfg.comm.mode == "fake_backend"
         self.checkpointer.wait_for_staging()  # an async save's copy, overlapping fwd/bwd, is done
         spike = finite and loss and skips_loss_spike(loss[0], self.state, self.cfg, self.loader)
         t_optimizer, optimizer_seconds = time.perf_counter(), None
@@ -442,6 +448,8 @@ def main(argv=None) -> int:
     if cfg.comm.mode == "fake_backend" or cfg.checkpoint.create_seed_checkpoint:
         init_logger(0, 0)
         job = dry_run if cfg.comm.mode == "fake_backend" else write_seed_checkpoint
+        if cfg.comm.fake_steps:
+            job = partial(rehearse, trainer_cls=Trainer)
         try:
             return job(cfg)
         except ConfigError as e:

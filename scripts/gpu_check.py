@@ -4,6 +4,11 @@
     scripts/gpu_check.sh debug resume          # chosen stages, each under 10 minutes
     scripts/gpu_check.sh --list                # the stages and their runs
     scripts/gpu_check.sh --cpu-smoke debug     # the plumbing on a CPU, a tiny model, 3 steps
+    scripts/gpu_check.sh rehearse              # one rank of 8B on 8 GPUs, on this one (~3 min)
+
+The rehearse, rehearse_70b and rehearse_405b stages (scripts/gpu_check_rehearse.py) rehearse one
+rank of the shipped multi-GPU configs at their real world size on the GPU present
+(docs/rehearsal.md).
 
 Each run is a fresh process (train.py, scripts/estimate_memory.py or
 scripts/benchmarks/bench_loss.py) with its own folder under {out}/runs/<name>/ (metrics.jsonl, log).
@@ -34,6 +39,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_rehearse import (  # noqa: E402
+    Rehearsal,
+    execute_rehearsal,
+    rehearse_70b_stage,
+    rehearse_405b_stage,
+    rehearse_stage,
+)
 from gpu_check_report import (  # noqa: E402
     bench_loss_note,
     format_table,
@@ -282,6 +294,9 @@ STAGES = {
     "bench_loss": (1, 2, bench_loss_stage),
     "calibrate": (1, 7, calibrate_stage),
     "scale": (1, 7, scale_stage),
+    "rehearse": (1, 3, rehearse_stage),
+    "rehearse_70b": (1, 8, rehearse_70b_stage),
+    "rehearse_405b": (1, 8, rehearse_405b_stage),
     "multi": (2, 8, multi_stage),
     "8b": (8, 5, eight_b_stage),
 }
@@ -395,6 +410,8 @@ def run_stage(name: str, machine: Machine, out: Path, timeout_s: float) -> list[
         t0 = time.perf_counter()
         if isinstance(step, Same):
             row = compare(step, out)
+        elif isinstance(step, Rehearsal):
+            row = execute_rehearsal(step, out, machine, timeout_s, launch)
         else:
             row = execute(step, out, machine, timeout_s)
         row.update(stage=name, device=machine.device, torch=machine.torch)
@@ -469,8 +486,14 @@ def list_stages(machine: Machine) -> None:
     for name, (min_gpus, minutes, build) in STAGES.items():
         print(f"{name} (>= {min_gpus} GPU, ~{minutes} min): {(build.__doc__ or '').strip()}")
         for step in build(dataclasses.replace(machine, ngpu=max(machine.ngpu, min_gpus))):
-            what = display_command(step) if isinstance(step, Run) else compare_text(step)
+            what = step_text(step)
             print(f"  {step.name}: {what}")
+
+
+def step_text(step) -> str:
+    if isinstance(step, Rehearsal):
+        return step.command()
+    return display_command(step) if isinstance(step, Run) else compare_text(step)
 
 
 def stages_for(ngpu: int) -> list[str]:

@@ -97,11 +97,11 @@ def _check_comm(comm: Comm) -> None:
             "(the job's GPU count) and a rank below it"
         )
     if comm.mode == "default" and (
-        comm.fake_world_size or comm.fake_rank or not comm.fake_init_weights
+        comm.fake_world_size or comm.fake_rank or not comm.fake_init_weights or comm.fake_steps
     ):
         raise ConfigError(
-            "comm.fake_world_size / comm.fake_rank / comm.fake_init_weights only apply to a dry "
-            "run: add --comm.mode fake_backend"
+            "comm.fake_world_size / comm.fake_rank / comm.fake_init_weights / comm.fake_steps "
+            "only apply to a dry run or rehearsal: add --comm.mode fake_backend"
         )
 
 

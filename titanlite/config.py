@@ -366,7 +366,7 @@ class Comm:
     mode: str = opt(
         "default",
         "'fake_backend' = dry run: play one rank of fake_world_size, build and init its shard, "
-        "report per-rank figures and exit without training",
+        "report per-rank figures and exit (with comm.fake_steps: after rehearsing real steps)",
         choices=("default", "fake_backend"),
     )
     fake_world_size: int = opt(0, "World size the dry run plays (comm.mode fake_backend)", ge=0)
@@ -374,6 +374,10 @@ class Comm:
     fake_init_weights: bool = opt(
         True, "Dry run: draw the rank's initial weights (off: build and allocate only, faster)"
     )
+    fake_steps: int = opt(
+        0, "Rehearsal: real training steps of the fake rank over fake collectives on the device "
+        "present, measuring its memory and step time (0: the dry run builds and stops)", ge=0,
+    )  # fmt: skip
     init_timeout_seconds: int = opt(
         300, "Collective timeout until the first step is done (start-up, loading), seconds", ge=1
     )

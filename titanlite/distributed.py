@@ -86,12 +86,18 @@ def device_backend(group, device_type: str) -> str:
     return per_device.get(device_type, backend)
 
 
-def init_fake_distributed(rank: int, world_size: int) -> tuple[int, int, int, torch.device]:
+def init_fake_distributed(
+    rank: int, world_size: int, device: torch.device | None = None
+) -> tuple[int, int, int, torch.device]:
     """One process plays `rank` of `world_size` over torch's fake process group: collectives
     return at once without moving data, so meshes, DTensor and FSDP build exactly as on the
-    real job while only this rank's shards exist, on the CPU."""
+    real job while only this rank's shards exist, on `device` (the dry run's CPU, or the
+    rehearsal's GPU)."""
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
-    return rank, 0, world_size, torch.device("cpu")
+    return rank, 0, world_size, device
 
 
 def _init_process_group(backend: str, device_id: torch.device | None, timeout) -> None:

@@ -12,6 +12,7 @@ function that needs them: the pipelining import loads torch._dynamo (~0.5 s on a
 which the planner and the config checks, importing this module, do not need.
 """
 
+import contextlib
 import weakref
 from datetime import timedelta
 
@@ -277,6 +278,38 @@ def pipeline_stage_base():
             return [op for op in ops if op.group_peer != self.group_rank]
 
     return SkipSelfWarmupStage
+
+
+@contextlib.contextmanager
+def pipeline_stages_told(hidden: torch.Tensor):
+    """Every PipelineStage takes `hidden` (a meta tensor) as what crosses its boundaries, both
+    ways, instead of receiving that description from its neighbour stages' ranks at the first
+    step: a rehearsal's fake receive of it is garbage. 2.13 exchanges a description object
+    (PipelineStage._recv_meta, pipelining._utils' _StageForwardMeta / _StageBackwardMeta built
+    from extract_tensor_metas); 2.11 sends example tensors, forward only, through
+    dist.recv_object_list. No public API lets a stage be told its shapes at run time."""
+    from unittest import mock
+
+    from torch.distributed.pipelining import PipelineStage
+
+    if hasattr(PipelineStage, "_recv_meta"):  # 2.13
+        from torch.distributed.pipelining import _utils
+
+        metas = _utils.extract_tensor_metas((hidden,))
+
+        def told(stage, src_stage):
+            forward = src_stage < stage.stage_index
+            return (_utils._StageForwardMeta if forward else _utils._StageBackwardMeta)(metas)
+
+        with mock.patch.object(PipelineStage, "_recv_meta", told):
+            yield
+    else:  # 2.11
+
+        def told_objects(objects, *args, **kwargs):
+            objects[0] = (hidden,)
+
+        with mock.patch.object(dist, "recv_object_list", told_objects):
+            yield
 
 
 # -- data ----------------------------------------------------------------------------------------

@@ -124,3 +124,17 @@ def test_dry_run_progress_counts_layouts_one_more_for_each_dropped(monkeypatch):
         "plan: dry runs: 2 of 3 layouts (67%)",
         "plan: dry runs: 3 of 3 layouts (100%)",
     ]
+
+
+@pytest.mark.parametrize("asked", [[], ["--float8"]])
+def test_write_keeps_float8_off_unless_asked(capsys, tmp_path, asked):
+    """float8 changes the numerics: --write turns it on only with --float8 (on H100s it is the
+    faster choice for the 8B, so the search would pick it)."""
+    from titanlite.float8 import float8_enabled
+
+    best = tmp_path / "best.toml"
+    argv = ["--job.config_file", "llama_8b.toml", "--gpus", "8", "--check", "0", "--top", "1"]
+    rc, out, _ = plan(capsys, *argv, *asked, "--write", str(best))
+    assert rc == 0, out
+    assert float8_enabled(parse_args(["--job.config_file", str(best)])) == bool(asked)
+    assert (" f8 " in out.splitlines()[4]) == bool(asked)  # row 1, the one written

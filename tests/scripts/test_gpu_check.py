@@ -108,3 +108,68 @@ def test_estimate_runs_estimate_memory_with_the_runs_flags(tmp_path):
         for n in ("8B_4L", "8B_8L")
     )
     assert 0 < four < eight
+
+
+def rehearsals(machine) -> list:
+    stages = ("rehearse", "rehearse_70b", "rehearse_405b")
+    return [step for name in stages for step in gc.STAGES[name][2](machine)]
+
+
+@pytest.mark.parametrize("machine", [GPU, CPU_SMOKE], ids=["gpu", "cpu_smoke"])
+def test_every_rehearsal_parses_as_train_py_flags(tmp_path, machine):
+    """Each rehearsal row is a valid train.py command: its config (offline) or the smoke shape,
+    its layout flags, the fake rank of its world."""
+    rows = rehearsals(machine)
+    for reh in rows:
+        cfg = parse_args([*reh.train_args(machine.cpu_smoke), *reh.fake_args()])
+        assert (cfg.comm.fake_world_size, cfg.comm.fake_rank) == (reh.world, reh.rank)
+        assert cfg.comm.fake_steps == reh.steps and reh.rank < reh.world
+    worlds = {(r.config, r.world) for r in rows}
+    if machine.cpu_smoke:
+        assert worlds == {("debug_model.toml", 8)}
+    else:  # the shipped configs as users launch them: no file the offline machine lacks
+        assert worlds == {("llama_8b.toml", 8), ("llama_70b.toml", 64), ("llama_70b.toml", 256),
+                          ("llama_405b.toml", 512)}  # fmt: skip
+        assert all(parse_args(r.train_args(False)).model.tokenizer_path == "" for r in rows)
+
+
+def test_a_rehearsal_that_cannot_fit_is_reported_not_run(tmp_path):
+    """The estimate exceeds the GPU: SKIP with both figures, and train.py never launched."""
+    launched = []
+
+    def launch(cmd, log, timeout_s):
+        launched.append(cmd)
+        log.write_text("total (estimated peak per rank)   95.5\n")
+        return 0
+
+    reh = gc.STAGES["rehearse"][2](GPU)[0]
+    row = gc.execute_rehearsal(reh, tmp_path, GPU, 60, launch)
+    assert row["result"] == "SKIP" and "cannot fit: estimate 95.5 GiB > 79.2 GiB" in row["why"]
+    assert len(launched) == 1 and launched[0][1].endswith("estimate_memory.py")
+
+
+@pytest.mark.slow
+def test_cpu_smoke_rehearses_a_rank_end_to_end(tmp_path):
+    """The rehearse stage tiny and on a CPU: the estimate, the rehearsal, its row and table."""
+    out = tmp_path / "out"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHON=PYTHON)
+    cmd = [str(REPO / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--out", str(out), "rehearse"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = gc.read_jsonl(out / "results.jsonl")
+    assert row["name"] == "r_debug_fsdp8" and row["result"] == "PASS", row
+    assert row["steps"] == 2 and row["wps"] > 0 and row["reserved_gib"] > 0.1
+    assert row["estimate_gib"] > 0 and "rank 3 of 8" in row["why"]
+    assert "planner" in row["why"] and "with communication on h100-sxm" in row["why"]
+    assert "| PASS (rank 3 of 8" in (out / "table.md").read_text()
+
+
+def test_a_rehearsed_ranks_estimate_is_its_pipeline_ranks_column():
+    from gpu_check_rehearse import parse_rank_estimate
+
+    pp = "total (estimated peak per rank)      72.337   69.076   53.347\n"
+    assert [parse_rank_estimate(pp, r, 12) for r in (0, 3, 4, 11)] == [72.337, 72.337, 69.076,
+                                                                       53.347]  # fmt: skip
+    flat = "context / NCCL / slack   2.5\ntotal (estimated peak per rank)   44.5\n"
+    assert parse_rank_estimate(flat, 5, 8) == 42.0
+    assert parse_rank_estimate("nothing", 0, 8) is None

@@ -2,7 +2,8 @@
 manager.py (CheckpointManager: save, async save, load), reader.py (reading
 tensors straight into the model's and optimizer's memory), integrity.py (the files' checksums,
 recorded at save and verified before a load), hf.py (Hugging Face folders in and out of a
-sharded model), stream.py (writing one tensor at a time)."""
+sharded model), stream.py (writing one tensor at a time), seed.py (step 0's weights
+as a checkpoint)."""
 
 from titanlite.checkpoint.layout import MARKER, publish, scan_checkpoints
 from titanlite.checkpoint.manager import CheckpointManager

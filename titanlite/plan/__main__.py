@@ -3,6 +3,7 @@ model's constants fitted to finished runs.
 
     python -m titanlite.plan --job.config_file llama_8b.toml --gpus 64 --device h100-sxm
     python -m titanlite.plan --job.config_file llama_8b.toml --gpus 8 --write best.toml
+    python -m titanlite.plan --job.config_file llama_8b.toml --gpus 8 --float8   # bf16 and float8
     python -m titanlite.plan --job.config_file llama_8b.toml --gpus 8 --predict
     python -m titanlite.plan --device h200 --calibrate outputs/run_a outputs/run_b ...
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from titanlite.checks import check_options
 from titanlite.config import ConfigError
 from titanlite.config_parse import dump_toml, parse_args
+from titanlite.float8 import float8_enabled
 from titanlite.job import resolve_global_batch
 from titanlite.parallel_dims import ParallelDims
 from titanlite.plan import calibrate
@@ -56,7 +58,11 @@ def options() -> argparse.ArgumentParser:
     p.add_argument("--global_batch_tokens", type=int, help="tokens per step (default: config's)")
     p.add_argument("--vocab_size", type=int, help="padded vocab (default: the tokenizer's)")
     p.add_argument("--top", type=int, default=10, help="rows shown")
-    p.add_argument("--no_float8", action="store_true", help="plan without float8 linears")
+    f8 = p.add_mutually_exclusive_group()
+    f8.add_argument("--float8", action="store_true",
+                    help="also plan float8 linears, a change of numerics (default: only if the "
+                         "config converts its linears already)")  # fmt: skip
+    f8.add_argument("--no_float8", action="store_true", help="plan without float8 linears")
     p.add_argument("--json", action="store_true", help="the rows as JSON")
     p.add_argument("--explain", type=int, metavar="N", help="the arithmetic behind row N")
     p.add_argument("--write", metavar="TOML", help="the best layout as a config train.py runs")
@@ -113,8 +119,7 @@ def run(args, rest: list[str]) -> int:
 def run_plan(args, rest, cfg, model, cluster, constants, missing: str) -> int:
     """The search, the dry-run check of the best rows, the table, --explain and --write."""
     batch = global_batch(cfg, args)
-    choices = Choices(float8=(False,) if args.no_float8 else (False, True),
-                      compile=cfg.compile.enable)  # fmt: skip
+    choices = Choices(float8=float8_choices(cfg, args), compile=cfg.compile.enable)
     plan = search(model, cluster, batch, constants, choices, progress=True)
     if not plan.fits:
         need = smallest_cluster(model, cluster, batch, constants, progress=True)
@@ -143,6 +148,14 @@ def run_plan(args, rest, cfg, model, cluster, constants, missing: str) -> int:
         dump_toml(best, args.write)
         print(f"wrote {args.write}: train.py --job.config_file {args.write} on {args.gpus} GPUs")
     return 0
+
+
+def float8_choices(cfg, args) -> tuple[bool, ...]:
+    """float8 linears change the numerics: searched only when asked (--float8) or kept as the
+    config has them, so that --write never switches them on unasked."""
+    if args.float8:
+        return (False, True)
+    return (float8_enabled(cfg) and not args.no_float8,)
 
 
 def checked(plan, config_argv: list[str], k: int) -> tuple[list, str]:

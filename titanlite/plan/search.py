@@ -36,8 +36,8 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Choices:
-    """Which switches the search may turn (plan --no_float8; plan auto keeps float8 and compile
-    as the config has them)."""
+    """Which switches the search may turn (plan searches float8 only with --float8, else keeps
+    it as the config has it; plan auto keeps float8 and compile as the config has them)."""
 
     ac: tuple[str, ...] = ("none", "selective", "selective_alternate", "full")
     chunk_tokens: tuple[int, ...] = (0, CHUNK_TOKENS)
