@@ -261,3 +261,27 @@ def test_nested_table_mistakes_in_toml(tmp_path, text, expected):
 def test_dataloader_mistakes_are_one_line(argv, expected):
     msg = config_error(argv)
     assert expected in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "argv, added",
+    [
+        ([], True),
+        (["--training.steps", "3"], True),
+        (["--job.config_file", "llama_8b.toml"], False),
+        (["--job.config-file=llama_8b.toml"], False),  # torchtitan's spelling
+        (["--job.config_file="], False),  # asks for the defaults alone
+    ],
+)
+def test_a_bare_train_py_runs_the_quick_start(argv, added):
+    """train.py without a config file runs debug_model.toml (not torchtitan's defaults, ~21 GiB a
+    step); any spelling of --job.config_file is taken as given."""
+    full, quick_start = config_parse.with_quick_start_config(argv)
+    assert quick_start == added
+    cfg = parse_args(full)
+    if added:
+        assert cfg.job.config_file.endswith("train_configs/debug_model.toml")
+        assert (cfg.model.vocab_limit, cfg.training.seq_len) == (2048, 256)
+        assert cfg.training.steps == (3 if argv else 100)
+    else:
+        assert full == argv
