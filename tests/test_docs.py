@@ -1,0 +1,69 @@
+"""The docs cannot drift from the code: every option they name exists, every page is linked from
+README.md and every link resolves, and docs/torchtitan.md's table is the generated one."""
+
+import re
+
+import pytest
+from conftest import REPO
+
+from titanlite.config_parse import OPTIONS, _negation, tomllib
+from titanlite.torchtitan_options import NOT_IN_TITANLITE, NOT_YET, markdown_table
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# --section.key as an option: the name, dotted, after -- (--no- and torchtitan's spellings too).
+OPTION = re.compile(r"(?<![\w-])--((?:no-)?[a-z_]+(?:\.[a-z0-9_-]+)+)")
+PLACEHOLDERS = {"section.key", "section.flag", "section.no_flag"}
+TOML_BLOCK = re.compile(r"```toml\n(.*?)```", re.S)
+LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
+
+
+def leaf_names(table: dict, prefix: str = "") -> list[str]:
+    """ "section.key" of each value of a parsed TOML document, nested tables included."""
+    names = []
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        names += leaf_names(value, f"{name}.") if isinstance(value, dict) else [name]
+    return names
+
+
+def named_options(page) -> set[str]:
+    text = page.read_text()
+    names = {_negation(raw)[1] for raw in OPTION.findall(text)} - PLACEHOLDERS
+    for block in TOML_BLOCK.findall(text):
+        names |= set(leaf_names(tomllib.loads(block)))
+    return names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_option_named_exists(page):
+    known = set(OPTIONS)
+    if page.name == "torchtitan.md":  # the page about the options titanlite lacks
+        known |= set(NOT_IN_TITANLITE) | set(NOT_YET)
+    unknown = sorted(named_options(page) - known)
+    assert not unknown, f"{page.name} names options JobConfig does not have: {unknown}"
+
+
+def test_the_option_check_catches_a_wrong_name(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `--training.stepz 3`, `--no-compile.enable`.\n```toml\n[job]\nfoo = 1\n```\n"
+    )
+    assert named_options(page) - set(OPTIONS) == {"training.stepz", "job.foo"}
+
+
+def test_every_docs_page_is_linked_from_the_readme_and_every_link_resolves():
+    readme = (REPO / "README.md").read_text()
+    linked = {REPO / target for target in LINK.findall(readme)}
+    assert set(PAGES[1:]) <= linked, "not linked from README.md"
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links {target}, which is missing"
+
+
+def test_the_torchtitan_table_is_the_generated_one():
+    page = (REPO / "docs" / "torchtitan.md").read_text()
+    begin = "<!-- generated: python -m titanlite.torchtitan_options --markdown -->\n"
+    table = page.split(begin, 1)[1].split("\n<!-- end generated -->", 1)[0]
+    assert table == markdown_table(), (
+        "regenerate it: python -m titanlite.torchtitan_options --markdown"
+    )
