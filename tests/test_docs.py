@@ -6,19 +6,22 @@ import re
 import pytest
 from conftest import REPO
 
-from titanlite.config_parse import OPTIONS, _negation, tomllib
+from titanlite.config_parse import OPTIONS, TABLES, _negation, tomllib
 from titanlite.torchtitan_options import NOT_IN_TITANLITE, NOT_YET, markdown_table
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # --section.key as an option: the name, dotted, after -- (--no- and torchtitan's spellings too).
 OPTION = re.compile(r"(?<![\w-])--((?:no-)?[a-z_]+(?:\.[a-z0-9_-]+)+)")
 PLACEHOLDERS = {"section.key", "section.flag", "section.no_flag"}
+# `section.key` in backticks, where section is a config section: an option too (not a file name).
+QUOTED = re.compile(r"`([a-z_]+(?:\.[a-z0-9_]+)+)")
+FILE_NAME = re.compile(r"\.(jsonl?|safetensors|toml|md|py|sh|txt|csv|pt)$")
 TOML_BLOCK = re.compile(r"```toml\n(.*?)```", re.S)
 LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
 
 
 def leaf_names(table: dict, prefix: str = "") -> list[str]:
-    """ "section.key" of each value of a parsed TOML document, nested tables included."""
+    """The "section.key" of each value of a parsed TOML document, nested tables included."""
     names = []
     for key, value in table.items():
         name = f"{prefix}{key}"
@@ -29,6 +32,12 @@ def leaf_names(table: dict, prefix: str = "") -> list[str]:
 def named_options(page) -> set[str]:
     text = page.read_text()
     names = {_negation(raw)[1] for raw in OPTION.findall(text)} - PLACEHOLDERS
+    sections = {name.split(".")[0] for name in TABLES}
+    names |= {
+        name
+        for name in QUOTED.findall(text)
+        if name.split(".")[0] in sections and name not in TABLES and not FILE_NAME.search(name)
+    }
     for block in TOML_BLOCK.findall(text):
         names |= set(leaf_names(tomllib.loads(block)))
     return names
