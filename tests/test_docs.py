@@ -17,7 +17,16 @@ PLACEHOLDERS = {"section.key", "section.flag", "section.no_flag"}
 QUOTED = re.compile(r"`([a-z_]+(?:\.[a-z0-9_]+)+)")
 FILE_NAME = re.compile(r"\.(jsonl?|safetensors|toml|md|py|sh|txt|csv|pt)$")
 TOML_BLOCK = re.compile(r"```toml\n(.*?)```", re.S)
-LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
+LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#([^)]*))?\)")
+HEADING = re.compile(r"^#+ (.*)$", re.M)
+
+
+def anchors(page) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to -."""
+    return {
+        re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
+        for h in HEADING.findall(re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
+    }
 
 
 def leaf_names(table: dict, prefix: str = "") -> list[str]:
@@ -62,11 +71,13 @@ def test_the_option_check_catches_a_wrong_name(tmp_path):
 
 def test_every_docs_page_is_linked_from_the_readme_and_every_link_resolves():
     readme = (REPO / "README.md").read_text()
-    linked = {REPO / target for target in LINK.findall(readme)}
+    linked = {REPO / target for target, _ in LINK.findall(readme)}
     assert set(PAGES[1:]) <= linked, "not linked from README.md"
     for page in PAGES:
-        for target in LINK.findall(page.read_text()):
-            assert (page.parent / target).exists(), f"{page.name} links {target}, which is missing"
+        for target, anchor in LINK.findall(page.read_text()):
+            path = page.parent / target
+            assert path.exists(), f"{page.name} links {target}, which is missing"
+            assert not anchor or anchor in anchors(path), f"{page.name} links {target}#{anchor}"
 
 
 def test_the_torchtitan_table_is_the_generated_one():
