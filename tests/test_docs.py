@@ -2,11 +2,19 @@
 README.md and every link resolves, and docs/torchtitan.md's table is the generated one."""
 
 import re
+import shlex
 
 import pytest
 from conftest import REPO
 
-from titanlite.config_parse import OPTIONS, TABLES, _negation, tomllib
+from titanlite.config_parse import (
+    OPTIONS,
+    TABLES,
+    _negation,
+    parse_args,
+    tomllib,
+    with_quick_start_config,
+)
 from titanlite.torchtitan_options import NOT_IN_TITANLITE, NOT_YET, markdown_table
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -67,6 +75,20 @@ def test_the_option_check_catches_a_wrong_name(tmp_path):
         "Run `--training.stepz 3`, `--no-compile.enable`.\n```toml\n[job]\nfoo = 1\n```\n"
     )
     assert named_options(page) - set(OPTIONS) == {"training.stepz", "job.foo"}
+
+
+BASH_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
+TRAIN_COMMAND = re.compile(r"(?:python|torchrun\b[^|]*?) train\.py(.*)$")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_train_command_shown_parses(page):
+    """Each `python train.py ...` (or torchrun) line of a bash block is a command line train.py
+    accepts: names, values, choices and the checks that need nothing built."""
+    for block in BASH_BLOCK.findall(page.read_text()):
+        for line in block.replace("\\\n", " ").splitlines():
+            if command := TRAIN_COMMAND.search(line.split(" #")[0]):
+                parse_args(with_quick_start_config(shlex.split(command.group(1)))[0])
 
 
 def test_every_docs_page_is_linked_from_the_readme_and_every_link_resolves():
