@@ -251,7 +251,8 @@ def format_help() -> str:
     lines = [
         "usage: python train.py [--job.config_file FILE] [--section.key VALUE ...]",
         "",
-        "Precedence: defaults < TOML file (--job.config_file) < command line.",
+        "Precedence: defaults < TOML file (--job.config_file) < command line. Without",
+        f"--job.config_file, train.py runs {QUICK_START_CONFIG} (--job.config_file '' runs none).",
         "Options: --section.key VALUE or --section.key=VALUE. Booleans: --section.key,",
         "--no-section.key, --section.key=true|false. Lists: comma-separated (a,b,c).",
     ]
