@@ -128,7 +128,7 @@ def markdown_table() -> str:
     """The Markdown table of every torchtitan v0.2.2 option titanlite lacked, one row each."""
     from titanlite.config_parse import OPTIONS  # here: config_parse imports this module
 
-    rows = {name: f"implemented: {OPTIONS[name].metadata['help']}" for name in ADDED}
+    rows = {name: f"implemented. {OPTIONS[name].metadata['help']}" for name in ADDED}
     rows |= {name: f"not here: {why}" for name, why in NOT_IN_TITANLITE.items()}
     rows |= {name: f"not yet: {why}" for name, why in NOT_YET.items()}
     lines = ["| torchtitan option | in titanlite |", "|---|---|"]
