@@ -1,5 +1,6 @@
-"""The docs cannot drift from the code: every option they name exists, every page is linked from
-README.md and every link resolves, and docs/torchtitan.md's table is the generated one."""
+"""The docs cannot drift from the code: every option they name exists, every train.py command
+they show parses, every page is linked from README.md and every link (and anchor) resolves, and
+docs/torchtitan.md's table is the generated one."""
 
 import re
 import shlex
@@ -79,22 +80,47 @@ def test_the_option_check_catches_a_wrong_name(tmp_path):
 
 BASH_BLOCK = re.compile(r"```bash\n(.*?)```", re.S)
 TRAIN_COMMAND = re.compile(r"(?:python|torchrun\b[^|]*?) train\.py(.*)$")
+# The launchers pass their arguments on to train.py after --job.config_file $CONFIG_FILE.
+LAUNCHER = re.compile(
+    r"(?:CONFIG_FILE=(\S+) .*)?(run_llama_train\.sh|multinode_trainer\.slurm)(.*)$"
+)
+PLAN_WRITE = re.compile(r"plan\.py --job\.config_file (\S+) .*--write (\S+)")
+DEFAULT_CONFIG = {
+    "run_llama_train.sh": "debug_model.toml",
+    "multinode_trainer.slurm": "llama_8b.toml",
+}
+
+
+def train_command_lines(page) -> list[list[str]]:
+    """train.py's argv in each command line of the page's bash blocks that runs it."""
+    argvs, written = [], {}  # written: a config the page's planner writes -> the one it plans
+    for block in BASH_BLOCK.findall(page.read_text()):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0]
+            if plan := PLAN_WRITE.search(line):
+                written[plan.group(2)] = plan.group(1)
+            if command := TRAIN_COMMAND.search(line):
+                argvs.append(with_quick_start_config(shlex.split(command.group(1)))[0])
+            elif launch := LAUNCHER.search(line):
+                config, launcher, rest = launch.groups()
+                argvs.append(["--job.config_file", config or DEFAULT_CONFIG[launcher]])
+                argvs[-1] += shlex.split(rest)
+    return [[written.get(arg, arg) for arg in argv] for argv in argvs]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_train_command_shown_parses(page):
-    """Each `python train.py ...` (or torchrun) line of a bash block is a command line train.py
-    accepts: names, values, choices and the checks that need nothing built."""
-    for block in BASH_BLOCK.findall(page.read_text()):
-        for line in block.replace("\\\n", " ").splitlines():
-            if command := TRAIN_COMMAND.search(line.split(" #")[0]):
-                parse_args(with_quick_start_config(shlex.split(command.group(1)))[0])
+    """Each `python train.py ...`, torchrun or launcher line of a bash block is a command line
+    train.py accepts: names, values, choices and the checks that need nothing built."""
+    for argv in train_command_lines(page):
+        parse_args(argv)
 
 
 def test_every_docs_page_is_linked_from_the_readme_and_every_link_resolves():
     readme = (REPO / "README.md").read_text()
     linked = {REPO / target for target, _ in LINK.findall(readme)}
-    assert set(PAGES[1:]) <= linked, "not linked from README.md"
+    unlinked = sorted(page.name for page in set(PAGES[1:]) - linked)
+    assert not unlinked, f"docs pages not linked from README.md: {unlinked}"
     for page in PAGES:
         for target, anchor in LINK.findall(page.read_text()):
             path = page.parent / target
