@@ -3,9 +3,9 @@
     python train.py --job.config_file debug_model.toml --training.steps 100
     torchrun --nproc_per_node=8 train.py --job.config_file llama_8b.toml
 
-`Trainer` checks what a user can get wrong (titanlite/checks.py), builds the model
-(titanlite/build.py) and every other piece from its own config section, and `Trainer.train` runs
-the schedule. One step:
+`Trainer` resolves the job (titanlite/job.py: every check of what a user can get wrong, the
+layout, the tokenizer and model args), builds the model (titanlite/build.py) and every other piece
+from its own config section, and `Trainer.train` runs the schedule. One step:
     microbatches -> count the step's target tokens (one all-reduce, which also carries the stop
     votes) -> per microbatch: forward, loss sum x (1 / step tokens), backward at once -> clip by
     the global norm -> read "finite?" and "stop?" (the step's one host sync) -> optimizer step.
@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from titanlite.bad_steps import NonFiniteError, on_nonfinite, skips_loss_spike
 from titanlite.build import build_model, count_params, init_model
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
-from titanlite.checks import check_run, check_single_process
+from titanlite.checks import check_options, check_single_process
 from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import (
     QUICK_START_NOTE,
@@ -48,8 +49,10 @@ from titanlite.distributed import (
     world_sum,
 )
 from titanlite.dry_run import dry_run, write_seed_checkpoint
+from titanlite.eval.validation import Validator
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.host import GarbageCollection
+from titanlite.job import World, resolve_job
 from titanlite.loss import IGNORE_INDEX
 from titanlite.metrics import (
     DeviceMemoryMonitor,
@@ -64,13 +67,13 @@ from titanlite.metrics_sinks import SampleIdLog
 from titanlite.models import get_family
 from titanlite.optim import build_lr_scheduler, build_optimizer, maybe_step_in_backward
 from titanlite.parallel_dims import loss_parallel_ctx
-from titanlite.plan.run import plan_layout, prediction
+from titanlite.plan.run import prediction
 from titanlite.precision import apply_tf32, resolve_param_dtype
 from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titanlite.shared_storage import check_job_folders_shared
 from titanlite.straggler import SlowRankFinder, local_numel, synchronize
 from titanlite.train_state import TrainState
-from titanlite.validate import Validator
 
 logger = logging.getLogger("titanlite")
 
@@ -139,12 +142,13 @@ class Every:
 
 
 class Trainer:
-    """Checks the job, builds every piece from its config section, resumes, and runs the loop."""
+    """Resolves the job, builds every piece from its config section, resumes, and runs the loop."""
 
     def __init__(self, cfg: JobConfig, dist_env):
-        self.cfg = cfg
         self.rank, _, self.world_size, self.device = dist_env
-        job = self._check_job()
+        job = self._resolve_job(cfg)
+        cfg = self.cfg  # under parallelism.plan auto, the planner's
+        check_job_folders_shared(cfg)
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
         load_plan = plan_load(cfg.checkpoint, cfg.job.dump_folder)
         self.parallel_dims.build_mesh(self.device.type)
@@ -152,15 +156,15 @@ class Trainer:
         # No weights are drawn that the checkpoint would overwrite (hours at 405B).
         self._build_model(job, draw_weights=load_plan is None)
         self._build_services(val_loader)
-        self._build_metrics()
+        folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+        self._build_metrics(resuming=load_plan is not None and load_plan.path.parent == folder)
         self._resume(load_plan)
 
-    def _check_job(self):
-        """Every check across options, before anything is built; the layout if planned here."""
-        cfg = self.cfg
-        if cfg.parallelism.plan == "auto":
-            plan_layout(cfg, self.world_size, self.device)
-        job = check_run(cfg, self.world_size, self.device)
+    def _resolve_job(self, cfg: JobConfig):
+        """Every check, before anything is built, and the job's objects (the layout if planned
+        here: self.cfg is then the planner's config)."""
+        job = resolve_job(cfg, World(self.world_size, self.device))
+        self.cfg = cfg = job.config
         self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Logged with the first step's metrics, so that plan --calibrate can set it beside them.
@@ -228,16 +232,18 @@ class Trainer:
             self.device,
         )  # fmt: skip
 
-    def _build_metrics(self):
-        """Loggers, the memory monitor, the slow-rank finder and the FLOP counts behind MFU."""
+    def _build_metrics(self, resuming: bool):
+        """Loggers, the memory monitor, the slow-rank finder and the FLOP counts behind MFU;
+        `resuming` its own checkpoint, the run continues its W&B run."""
         cfg, m = self.cfg, self.cfg.metrics
         self.log_schedule = Every(m.log_freq, cfg.training.steps, first=True)
         self.block_names = None
         if m.log_layer_grad_norms:
             self.block_names = block_names(self.model_args.n_layers)
         self.metrics = MetricsLogger(
-            m, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict()
-        )
+            m, cfg.job.dump_folder, self.rank, self.log_rank, run_config=cfg.to_dict(),
+            resuming=resuming,
+        )  # fmt: skip
         self.memory = DeviceMemoryMonitor(self.device)
         self.slow_ranks = SlowRankFinder(
             self.world_size, self.device, m.slow_rank_threshold_pct, m.slow_rank_patience,
@@ -434,6 +440,7 @@ def main(argv=None) -> int:
     try:
         argv, quick_start = with_quick_start_config(sys.argv[1:] if argv is None else argv)
         cfg = parse_args(argv)
+        check_options(cfg)  # before the process group: a mistake costs no start-up
         check_single_process(cfg)
     except ConfigError as e:
         say_error(e)
@@ -460,6 +467,7 @@ def main(argv=None) -> int:
         say_error(e)
         destroy(barrier=False)
         return 2
+    cfg = trainer.cfg  # under parallelism.plan auto, the planner's
     if rank == 0:
         dump_toml(cfg, os.path.join(cfg.job.dump_folder, "config.toml"))
     if cfg.job.print_config:

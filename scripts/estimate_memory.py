@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titanlite.checks import check_options  # noqa: E402
 from titanlite.config import ConfigError  # noqa: E402
 from titanlite.config_parse import exit_on_help, parse_args  # noqa: E402
 from titanlite.memory_estimate import GIB, estimate, estimate_stages  # noqa: E402
@@ -58,19 +59,19 @@ def split_extra(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def model_args_of(cfg, vocab_size: int | None):
-    """The run's model args, made as training makes them: from the tokenizer, unless
-    --vocab_size names the vocab or the tokenizer is not available (then Llama 3's)."""
-    from titanlite.build import model_args_for, model_args_for_vocab
+    """The run's model args, made as training makes them (titanlite.job): from the tokenizer,
+    unless --vocab_size names the vocab or the tokenizer is not available (then Llama 3's)."""
     from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.job import resolve_model
 
     if vocab_size:
-        return model_args_for_vocab(cfg, vocab_size)
+        return resolve_model(cfg, vocab_size).args
     try:
-        tokenizer = build_tokenizer(cfg.model)
+        build_tokenizer(cfg.model)  # here, to tell a missing tokenizer from other mistakes
     except (OSError, ValueError) as e:
         print(f"note: tokenizer not available ({e}); using Llama 3's vocab {LLAMA3_VOCAB}")
-        return model_args_for_vocab(cfg, LLAMA3_VOCAB)
-    return model_args_for(cfg, tokenizer)
+        return resolve_model(cfg, LLAMA3_VOCAB).args
+    return resolve_model(cfg).args
 
 
 def _rss_bytes(field: str) -> int:
@@ -130,6 +131,7 @@ def main(argv: list[str]) -> int:
     try:
         extra, rest = split_extra(argv)
         cfg = parse_args(rest)
+        check_options(cfg)
         model_args = model_args_of(cfg, extra.get("vocab_size"))
         vocab = model_args.vocab_size
         world = extra.get("world_size", 1)

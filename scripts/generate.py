@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titanlite.build import model_args_for  # noqa: E402
 from titanlite.checkpoint import (  # noqa: E402
     CheckpointError,
     CheckpointManager,
@@ -51,8 +50,9 @@ from titanlite.checkpoint import (  # noqa: E402
 )
 from titanlite.config import Checkpoint, ConfigError  # noqa: E402
 from titanlite.config_parse import parse_args  # noqa: E402
-from titanlite.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
+from titanlite.data.tokenizer import Tokenizer  # noqa: E402
 from titanlite.distributed import destroy, init_distributed  # noqa: E402
+from titanlite.job import resolve_model  # noqa: E402
 from titanlite.metrics import DeviceMemoryMonitor, init_logger  # noqa: E402
 from titanlite.models import ModelFamily, get_family  # noqa: E402
 from titanlite.parallel_dims import ParallelDims  # noqa: E402
@@ -111,8 +111,7 @@ def prepare(opts: argparse.Namespace, world_size: int) -> Job:
         )
     cfg = parse_args(["--job.config_file", str(opts.config.resolve())])
     check_checkpoint_dir(opts.checkpoint, "--checkpoint")
-    tokenizer = build_tokenizer(cfg.model)
-    args = model_args_for(cfg, tokenizer)
+    tokenizer, args = resolve_model(cfg)
     parallel_dims = tp_layout(opts.tp or world_size, world_size, args)
     prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
     total = len(prompt_ids) + opts.max_new_tokens

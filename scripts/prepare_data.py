@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
 def _main(argv: list[str]) -> int:
     # Imported here, not above: each spawned worker re-imports this script, and the option
     # checks import torch (~2.5 s of CPU and ~250 MB per worker) that tokenizing never uses.
-    from titanlite.checks import check_writable
+    from titanlite.checks import check_options, check_writable
     from titanlite.config_parse import exit_on_help, parse_args
 
     exit_on_help(argv, __doc__)
@@ -122,6 +122,7 @@ def _main(argv: list[str]) -> int:
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
     cfg = parse_args(rest)
+    check_options(cfg)
     t = cfg.training
     if is_store(t.dataset_path):
         raise SystemExit(f"{t.dataset_path} is already prepared: train with it as dataset_path")

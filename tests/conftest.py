@@ -234,12 +234,14 @@ class Terminal(io.StringIO):
 
 
 def config_error(argv) -> str:
-    """The ConfigError parse_args(argv) raises, as text."""
+    """The ConfigError that parsing argv and checking its options raise (train.py's first
+    steps), as text."""
+    from titanlite.checks import check_options
     from titanlite.config import ConfigError
     from titanlite.config_parse import parse_args
 
     with pytest.raises(ConfigError) as info:
-        parse_args(argv)
+        check_options(parse_args(argv))
     return str(info.value)
 
 

@@ -1,5 +1,5 @@
-"""titanlite/checks.py: the checks across options (run by parse_args, and with the world size by
-check_job), each one ConfigError that names the fix; ParallelDims built from the config."""
+"""titanlite/checks.py: the checks across options (run by train.py once parsed, and with the world
+size by resolve_job), each one ConfigError naming the fix; ParallelDims built from the config."""
 
 import sys
 
@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import config_error
 
-from titanlite.checks import check_job, check_offload_device, resolve_global_batch
+from titanlite.checks import check_offload_device
 from titanlite.config import ConfigError, Parallelism, Training
 from titanlite.config_parse import parse_args
+from titanlite.job import World, resolve_global_batch, resolve_job
 from titanlite.parallel_dims import ParallelDims
 
 
@@ -99,15 +100,15 @@ def test_parallel_dims_from_the_config_sections_degrees():
     assert (pd.pp, pd.dp_replicate, pd.dp_shard, pd.cp, pd.tp) == (2, 2, 2, 1, 2)
 
 
-def test_check_job_resolves_the_layout_and_refuses_a_world_it_does_not_fit():
+def test_resolve_job_resolves_the_layout_and_refuses_a_world_it_does_not_fit():
     cfg = parse_args(["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"])
     cfg.training.local_batch_size, cfg.training.global_batch_size = 2, 8
-    job = check_job(cfg, world_size=2)
+    job = resolve_job(cfg, World(2))
     assert (job.parallel_dims.dp_shard, job.global_batch_size, job.num_microbatches) == (2, 8, 2)
     assert job.model_args.vocab_size == 640 and job.pipeline is None  # 512 + specials, padded
     cfg.parallelism.tensor_parallel_degree = 3
     with pytest.raises(ConfigError, match="world size 2"):
-        check_job(cfg, world_size=2)
+        resolve_job(cfg, World(2))
 
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")

@@ -285,3 +285,23 @@ def test_a_bare_train_py_runs_the_quick_start(argv, added):
         assert cfg.training.steps == (3 if argv else 100)
     else:
         assert full == argv
+
+
+def test_parsing_is_a_leaf_that_loads_nothing_of_titanlite_but_the_config():
+    """A fresh interpreter: importing the parser, then parsing a TOML with command-line options,
+    loads no titanlite module but the config (and so neither torch nor the model)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import titanlite.config_parse as p\n"
+        "def loaded():\n"
+        "    return sorted(m for m in sys.modules if m.split('.')[0] in ('titanlite', 'torch'))\n"
+        "print(loaded())\n"
+        "p.parse_args(['--job.config_file', 'llama_8b.toml', '--training.steps', '3'])\n"
+        "print(loaded())\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    expected = str(["titanlite", "titanlite.config", "titanlite.config_parse"])
+    assert out.stdout.splitlines() == [expected, expected], out.stdout

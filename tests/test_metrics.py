@@ -257,6 +257,33 @@ def test_wandb_logs_what_jsonl_logs(tmp_path, wandb_offline, all_ranks):
         assert run.group == ""
 
 
+def test_a_requeued_job_continues_its_wandb_run(tmp_path, wandb_offline, monkeypatch):
+    """The real wandb, offline: a requeue of a SLURM job that resumes its checkpoint logs into
+    the run its first start made; a fresh start in the same folder gets a run of its own."""
+    cfg = _cfg(enable_wandb=True, enable_tensorboard=False)
+    dump = tmp_path / "dump"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    run_ids = []
+    for restart, resuming, steps in [(0, False, [1, 2]), (1, True, [3, 4]), (2, False, [1])]:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        sink = metrics.MetricsLogger(cfg, str(dump), resuming=resuming)
+        for step in steps:
+            sink.log(step, {"loss": float(step)})
+        run_ids.append(sink.sinks[-1].run.id)
+        sink.close(exit_code=0)
+    first, requeued, fresh = run_ids
+    assert first.startswith("slurm4242-0-") and requeued == first
+    assert fresh.startswith("slurm4242-2-")
+    assert (dump / "wandb" / "run_id").read_text().strip() == fresh
+    # Offline, each start writes a folder of its own named with the run id (and "-1" when one of
+    # that name was made in the same second); `wandb sync` joins them into one run.
+    steps = {}
+    for folder in (dump / "wandb").glob("offline-run-*"):
+        run_id = next(i for i in (first, fresh) if i in folder.name)
+        steps.setdefault(run_id, []).extend(read_offline_run(folder).history)
+    assert {k: sorted(v) for k, v in steps.items()} == {first: [1, 2, 3, 4], fresh: [1]}
+
+
 def test_init_logger_levels(monkeypatch):
     monkeypatch.setenv("LOG_RANK", "1")
     root = logging.getLogger()

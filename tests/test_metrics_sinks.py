@@ -2,12 +2,13 @@
 tested through MetricsLogger in tests/test_metrics.py); the sample id log."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
 
 from titanlite.config import ConfigError
-from titanlite.metrics_sinks import SampleIdLog, wandb_run_args
+from titanlite.metrics_sinks import SampleIdLog, job_run_id, wandb_run_args
 
 
 def test_wandb_run_args_from_the_environment(tmp_path):
@@ -26,6 +27,29 @@ def test_wandb_run_args_from_the_environment(tmp_path):
     assert args["entity"] == "e" and args["name"] == "rank_3" and args["group"] == "my_run"
     assert args["id"].endswith("-rank_3")
     assert wandb_run_args({"WANDB_RUN_GROUP": "g", **env}, 0, tmp_path)["group"] == "g"
+
+
+@pytest.mark.parametrize(
+    "environ, prefix",
+    [
+        ({"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "3"}, "slurm77-3-"),
+        ({"SLURM_JOB_ID": "77"}, "slurm77-0-"),
+        ({"TORCHELASTIC_RUN_ID": "a/b", "TORCHELASTIC_RESTART_COUNT": "1"}, "a-b-1-"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, ""),  # torchrun's default: no id of the job
+        ({}, ""),
+    ],
+)
+def test_job_run_id(tmp_path, environ, prefix):
+    """A fresh start's id comes from the job (the same on every rank) and the folder, and is
+    saved; a resume of the folder's checkpoint reads it back, whatever the job now is."""
+    dump = tmp_path / "run"
+    (dump / "wandb").mkdir(parents=True)
+    run_id = job_run_id(environ, dump, resuming=False)
+    assert run_id.startswith(prefix) and re.fullmatch(r"[A-Za-z0-9_-]+", run_id)
+    if prefix:  # every rank derives the same id; the folder is part of it
+        assert job_run_id(environ, dump, resuming=False) == run_id
+        assert job_run_id(environ, tmp_path / "other", resuming=False) != run_id
+    assert job_run_id({"SLURM_JOB_ID": "99"}, dump, resuming=True) == run_id
 
 
 def test_sample_id_log_writes_the_served_steps_samples(tmp_path):

@@ -1,17 +1,17 @@
 """Every check across options, before anything is built: what a job can get wrong that needs no
-data, weights or device (degrees against the world size, the model's shapes against TP, the batch
-arithmetic), and the few that need the device."""
+data, weights or device (the options against each other, then against the world size and the
+model titanlite/job.py resolved), and the few that need the device. Checks only: each takes the
+config and the objects resolve_job made, and builds nothing."""
 
 import importlib.util
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from torch.torch_version import TorchVersion
 
-from titanlite.build import model_args_for
 from titanlite.config import (
     Checkpoint,
     Comm,
@@ -26,18 +26,18 @@ from titanlite.config import (
 from titanlite.data.cache import cache_root
 from titanlite.data.sources import HUB_DATASETS
 from titanlite.data.store import is_store
-from titanlite.data.tokenizer import build_tokenizer
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
-from titanlite.models.llama.pipeline_plan import PipelinePlan, canonical_schedule, plan_pipeline
+from titanlite.models.llama.pipeline_plan import canonical_schedule
 from titanlite.parallel_dims import ParallelDims
 
 
 def check_options(cfg: JobConfig) -> None:
-    """Checks across options that need no world size (parse_args runs them; single options are
-    checked as they are read)."""
+    """Checks across options that need no world size (train.py runs them once the config is
+    parsed, resolve_job before anything; single options are checked as they are read)."""
     get_family(cfg.model.name)  # a registered model family
     _check_checkpoint(cfg.checkpoint)
+    _check_no_urls(cfg)
     _check_comm(cfg.comm)
     ratio = cfg.lr_scheduler.decay_ratio
     if ratio != -1 and not 0 <= ratio <= 1:
@@ -63,6 +63,24 @@ def check_options(cfg: JobConfig) -> None:
             "parallelism.context_parallel_rotate_method alltoall (ring attention, K/V passed "
             "between CP ranks) is not implemented: titanlite all-gathers K/V; use allgather"
         )
+
+
+def _check_no_urls(cfg: JobConfig) -> None:
+    """An object-store URL given as a folder would be taken as a relative path (`s3:/...` under
+    the working directory): the run would train and "save" where no other node can read."""
+    paths = {
+        "job.dump_folder": cfg.job.dump_folder,
+        "checkpoint.folder": cfg.checkpoint.folder,
+        "checkpoint.initial_load_path": cfg.checkpoint.initial_load_path,
+        "training.data_cache_dir": cfg.training.data_cache_dir,
+    }
+    for option, value in paths.items():
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value or ""):
+            raise ConfigError(
+                f"{option} {value!r} is a URL: titanlite reads and writes folders on a "
+                "filesystem only (object storage is not supported yet); give a path on storage "
+                "every node mounts, e.g. the bucket mounted with mountpoint-s3 or gcsfuse"
+            )
 
 
 def _check_checkpoint(ckpt: Checkpoint) -> None:
@@ -176,28 +194,11 @@ def _check_hf_options(ckpt: Checkpoint) -> None:
         )
 
 
-def resolve_global_batch(training: Training, dp_degree: int) -> tuple[int, int]:
-    """(global batch size, microbatches per rank) for this data-parallel degree.
-
-    global_batch_size -1 means one microbatch of local_batch_size rows on every dp rank; any other
-    value must split evenly into local_batch_size-row microbatches on every dp rank.
-    """
-    lb = training.local_batch_size
-    per_step = lb * dp_degree  # rows one microbatch on every dp rank covers
-    g = per_step if training.global_batch_size == -1 else training.global_batch_size
-    if g <= 0 or g % per_step:
-        nearest = max(1, round(g / per_step)) * per_step
-        raise ConfigError(
-            f"training.global_batch_size ({g}) must be a positive multiple of "
-            f"training.local_batch_size ({lb}) x data-parallel degree ({dp_degree}) = {per_step}; "
-            f"e.g. {nearest}, or -1 for {per_step}"
-        )
-    return g, g // per_step
-
-
-def check_early_step_batch(optimizer: Optimizer, training: Training, dp_degree: int) -> None:
+def check_early_step_batch(
+    optimizer: Optimizer, global_batch_size: int, num_microbatches: int, dp_degree: int
+) -> None:
     """optimizer.early_step_in_backward steps in every backward: a step must be one microbatch."""
-    g, num_microbatches = resolve_global_batch(training, dp_degree)
+    g = global_batch_size
     if optimizer.early_step_in_backward and num_microbatches > 1:
         raise ConfigError(
             "--optimizer.early_step_in_backward steps in every backward, but a step here is "
@@ -207,43 +208,27 @@ def check_early_step_batch(optimizer: Optimizer, training: Training, dp_degree: 
         )
 
 
-class JobLayout(NamedTuple):
-    parallel_dims: ParallelDims
-    tokenizer: object
-    model_args: object  # the model family's args
-    global_batch_size: int
-    num_microbatches: int
-    pipeline: PipelinePlan | None
-
-
-def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
-    """What a config can get wrong that needs no data, weights or device: degrees against the
-    world size, the model's shapes against TP, the batch arithmetic."""
-    p, t = cfg.parallelism, cfg.training
-    pd = ParallelDims.from_config(p, world_size)
-    tokenizer = build_tokenizer(cfg.model)
-    args = model_args_for(cfg, tokenizer)
-    pd.validate_model(args)
-    global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
-    check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
-    check_float8(cfg, pd)
-    canonical_schedule(p.pipeline_parallel_schedule)  # a typo fails with PP off too
-    pipeline = None
-    if pd.pp_enabled:
+def check_job(
+    cfg: JobConfig, parallel_dims: ParallelDims, global_batch_size: int, num_microbatches: int
+) -> None:
+    """What a config can get wrong against its world that needs no data, weights or device: the
+    batch split against early steps, float8, the pipeline's options (resolve_job runs it on the
+    layout and global batch it resolved)."""
+    check_early_step_batch(cfg.optimizer, global_batch_size, num_microbatches,
+                           parallel_dims.dp_degree)  # fmt: skip
+    check_float8(cfg, parallel_dims)
+    canonical_schedule(cfg.parallelism.pipeline_parallel_schedule)  # a typo fails with PP off too
+    if parallel_dims.pp_enabled:
         check_pipeline_options(cfg)
-        pipeline = plan_pipeline(args.n_layers, pd.pp, t.local_batch_size, p)
-    return JobLayout(pd, tokenizer, args, global_batch_size, num_microbatches, pipeline)
 
 
-def check_run(cfg: JobConfig, world_size: int, device: torch.device) -> JobLayout:
-    """Every check of a real run: check_job, then those that need this run's device (the dry
+def check_run(cfg: JobConfig, parallel_dims: ParallelDims, model_args, device: torch.device):
+    """The checks of a real run after check_job: those that need this run's device (the dry
     run, whose CPU plays the job's GPUs, skips them), then the output folders."""
-    job = check_job(cfg, world_size)
     check_float8_device(cfg, device)
-    check_attention_device(job.model_args, device)
-    check_offload_device(cfg, job.parallel_dims, device, torch.__version__)
+    check_attention_device(model_args, device)
+    check_offload_device(cfg, parallel_dims, device, torch.__version__)
     check_output_folders(cfg)
-    return job
 
 
 def check_pipeline_options(cfg: JobConfig) -> None:
@@ -370,6 +355,12 @@ def check_output_folders(cfg: JobConfig) -> None:
     options passed their checks (a refused job leaves no folder behind), on every rank, rather
     than as a traceback at the first save or, for the token cache, as a build that fails on
     rank 0 while the other ranks wait out training.data_build_timeout_s."""
+    for what, folder in output_folders(cfg).items():
+        check_writable(what, folder)
+
+
+def output_folders(cfg: JobConfig) -> dict[str, Path]:
+    """The folders the job writes, by the option that names them."""
     t = cfg.training
     folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
     if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
@@ -378,8 +369,7 @@ def check_output_folders(cfg: JobConfig) -> None:
     if not (streamed or is_store(t.dataset_path)):
         cache = "the token cache (training.data_cache_dir or TITANLITE_CACHE)"
         folders[cache] = cache_root(t.data_cache_dir)
-    for what, folder in folders.items():
-        check_writable(what, folder)
+    return folders
 
 
 def check_writable(what: str, folder: Path) -> None:

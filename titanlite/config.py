@@ -260,6 +260,10 @@ class Checkpoint:
     last_save_in_hf: bool = opt(False, "The last step's save in Hugging Face format (safetensors)")
     async_mode: str = opt("disabled", "Save in the background", choices=("disabled", "async"))
     create_seed_checkpoint: bool = opt(False, "Write the initial weights as step 0 and exit")
+    stop_grace_seconds: float = opt(
+        0.0, "Seconds from a stop signal (SIGTERM) to SIGKILL, e.g. SLURM's GraceTime: a slower "
+        "save warns (0 = torchrun's shutdown timeout)", ge=0,
+    )  # fmt: skip
 
 
 # selective_ac_option values that pick a per-op policy (any other is N: every Nth block).

@@ -1,8 +1,14 @@
 """TOML file + command line -> JobConfig: defaults < TOML file < command line, every option
-checked against its field's type, choices and limits as it is read (then the checks across
-options, titanlite/checks.py); suggestions for misspelled names; --help; the TOML dump.
+checked against its field's type, choices and limits as it is read; suggestions for misspelled
+names; --help; the TOML dump.
+
+A leaf: it loads nothing of titanlite but the config, so a script that only reads a config (a
+data-preparing worker, --help) does not load torch and the model. The checks across options
+(titanlite/checks.py check_options) are the caller's: train.py runs them at once, and
+titanlite/job.py resolve_job before it builds anything.
 """
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -13,9 +19,7 @@ from typing import Any
 
 import tomli_w
 
-from titanlite.checks import check_options
 from titanlite.config import ConfigError, JobConfig
-from titanlite.torchtitan_options import explain
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,6 +59,14 @@ MOVED = {
         "parallelism.disable_loss_parallel (inverted: loss parallel is on under TP by default)"
     ),
 }
+
+
+def explain(name: str) -> str | None:
+    """Why titanlite lacks the torchtitan option `name`, or None. Read only for a name that is
+    not an option, so that a config that parses loads no more of titanlite than the config."""
+    from titanlite.torchtitan_options import explain as torchtitan_reason
+
+    return torchtitan_reason(name)
 
 
 def _suggest(name: str, candidates: list[str], prefix: str = "") -> str:
@@ -124,29 +136,29 @@ def find_config_file(name: str) -> Path:
     raise ConfigError(f"--job.config_file {name!r} not found; looked at {looked}")
 
 
-def _apply_toml(cfg: JobConfig, path: Path) -> None:
+def _apply_toml(config: JobConfig, path: Path) -> None:
     """Set every option the TOML file names, checking sections, keys, types and ranges."""
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    _apply_table(cfg, path, data, "")
+    _apply_table(config, path, data, "")
 
 
-def _apply_table(cfg: JobConfig, path: Path, table: dict, prefix: str) -> None:
+def _apply_table(config: JobConfig, path: Path, table: dict, prefix: str) -> None:
     """The keys of one TOML table: `prefix` is "" for the file's top level, else "name."."""
     for key, value in table.items():
         name = prefix + key
         if name in TABLES:
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: {name} must be a [{name}] table, got {value!r}")
-            _apply_table(cfg, path, value, name + ".")
+            _apply_table(config, path, value, name + ".")
         elif name in OPTIONS:
             where = f"{path}: {name}"
             value = _from_toml(OPTIONS[name], value, where)
             _check(OPTIONS[name], value, where)
-            _set(cfg, name, value)
+            _set(config, name, value)
         elif isinstance(value, dict):
             for key in value:  # a torchtitan section titanlite lacks: say why, by its keys
                 if why := explain(f"{name}.{key}"):
@@ -161,10 +173,10 @@ def _apply_table(cfg: JobConfig, path: Path, table: dict, prefix: str) -> None:
             raise ConfigError(f"{path}: unknown key {name}{_suggest(name, list(OPTIONS))}")
 
 
-def _set(cfg: JobConfig, name: str, value: Any) -> None:
-    """Set option "section.key" (or "section.table.key") of cfg."""
+def _set(config: JobConfig, name: str, value: Any) -> None:
+    """Set option "section.key" (or "section.table.key") of config."""
     *tables, key = name.split(".")
-    setattr(functools.reduce(getattr, tables, cfg), key, value)
+    setattr(functools.reduce(getattr, tables, config), key, value)
 
 
 def _negation(name: str) -> tuple[bool, str]:
@@ -223,27 +235,29 @@ def _parse_cli(argv: list[str]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> JobConfig:
-    """Defaults, then the TOML file named by --job.config_file, then the other command-line options.
+    """Defaults, then the TOML file named by --job.config_file, then the other command-line options,
+    each checked alone (the checks across options: titanlite.checks.check_options).
 
     `job.config_file` ends up as the resolved path of the file that was read.
     """
     overrides = _parse_cli(argv)
-    cfg = JobConfig()
+    config = JobConfig()
     if overrides.get("job.config_file"):
         path = find_config_file(overrides["job.config_file"])
-        _apply_toml(cfg, path)
+        _apply_toml(config, path)
         overrides["job.config_file"] = str(path)
     for name, value in overrides.items():
-        _set(cfg, name, value)
-    check_options(cfg)
-    return cfg
+        _set(config, name, value)
+    return config
 
 
-def apply_options(cfg: JobConfig, argv: list[str]) -> None:
-    """Set `--section.key value` options on a parsed config, checked as on the command line."""
+def with_options(config: JobConfig, argv: list[str]) -> JobConfig:
+    """A copy of `config` with `--section.key value` options set, each checked as on the command
+    line (`config` itself is left as it is)."""
+    config = copy.deepcopy(config)
     for name, value in _parse_cli(argv).items():
-        _set(cfg, name, value)
-    check_options(cfg)
+        _set(config, name, value)
+    return config
 
 
 def format_help() -> str:
@@ -269,12 +283,12 @@ def format_help() -> str:
     return "\n".join(lines)
 
 
-def dump_toml(cfg: JobConfig, path: str | Path) -> None:
+def dump_toml(config: JobConfig, path: str | Path) -> None:
     """Write the resolved config as TOML; parse_args on that file gives the same JobConfig back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as fh:
-        tomli_w.dump(cfg.to_dict(), fh)
+        tomli_w.dump(config.to_dict(), fh)
 
 
 QUICK_START_CONFIG = "debug_model.toml"

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from titanlite.build import build_model, count_params, init_model, model_args_for
+from titanlite.build import build_model, count_params, init_model
 from titanlite.checkpoint import publish
 from titanlite.checkpoint.stream import LazyTensor, save_lazily
-from titanlite.checks import check_job, check_output_folders
+from titanlite.checks import check_output_folders
 from titanlite.config import JobConfig
 from titanlite.config_parse import dump_toml
-from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import destroy, init_fake_distributed, local_value
+from titanlite.job import World, resolve_job, resolve_model
 from titanlite.memory_estimate import GIB, estimate
 from titanlite.models import get_family
 from titanlite.models.llama.pipeline_plan import PipelinePlan
@@ -35,7 +35,7 @@ logger = logging.getLogger("titanlite")
 def write_seed_checkpoint(cfg: JobConfig) -> int:
     """Step 0, weights only, written one tensor at a time (memory: the largest tensor, at any
     model size): the weights every layout draws for this seed, as a checkpoint to start from."""
-    args = model_args_for(cfg, build_tokenizer(cfg.model))
+    args = resolve_model(cfg).args
     check_output_folders(cfg)
     with torch.device("meta"):
         model = get_family(cfg.model.name).model_cls(args)
@@ -69,7 +69,7 @@ def dry_run(cfg: JobConfig) -> int:
     comm = cfg.comm
     dist_env = init_fake_distributed(comm.fake_rank, comm.fake_world_size)
     rank, _, world, device = dist_env
-    job = check_job(cfg, world)
+    job = resolve_job(cfg, World(world))  # no device: its CPU plays the job's GPUs
     job.parallel_dims.build_mesh(device.type)
     compute_dtype = resolve_param_dtype(cfg.training.mixed_precision_param, device)
     t0 = time.perf_counter()

@@ -367,17 +367,19 @@ class MetricsLogger:
     no-op and no file is created. Values may be None or absent: they are left out of the console,
     TensorBoard and W&B and written as null in JSON. Keys beyond the standard ones (e.g.
     val_loss) are passed through. `run_config` (the JobConfig as a dict) is attached to the W&B
-    run.
+    run; `resuming` (the run resumes its own checkpoint) continues the folder's W&B run.
     """
 
     def __init__(self, metrics_cfg, dump_folder: str, rank: int = 0, log_rank: int = 0,
-                 run_config: dict | None = None):  # fmt: skip
+                 run_config: dict | None = None, resuming: bool = False):  # fmt: skip
         all_ranks = metrics_cfg.save_for_all_ranks
         self.enabled = all_ranks or rank == log_rank
         self.sinks: list[Sink] = []
         if self.enabled:
             sink_rank = rank if all_ranks else None
-            self.sinks = build_sinks(metrics_cfg, Path(dump_folder), sink_rank, run_config)
+            self.sinks = build_sinks(
+                metrics_cfg, Path(dump_folder), sink_rank, run_config, resuming
+            )
 
     def log(self, step: int, values: dict) -> None:
         if not self.enabled:

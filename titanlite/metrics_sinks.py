@@ -5,8 +5,10 @@ Each sink takes a step's values as Python floats (None = not measured this step)
 under one naming: the JSONL keys as given, TensorBoard and W&B under the tags below.
 """
 
+import hashlib
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Protocol
@@ -92,20 +94,53 @@ class JsonlSink:
 
 
 class WandbSink:
-    """One W&B run, its files under {dump_folder}/wandb/, the resolved config attached."""
+    """One W&B run, its files under {dump_folder}/wandb/, the resolved config attached. A run
+    that resumes its own checkpoint continues the W&B run the folder's first run started (see
+    job_run_id), so restarts and requeues make one set of curves."""
 
-    def __init__(self, dump_folder: Path, rank: int | None, run_config: dict | None):
+    def __init__(self, dump_folder: Path, rank: int | None, run_config: dict | None,
+                 resuming: bool = False):  # fmt: skip
         import wandb  # optional: checks.py made sure it is installed when enabled
 
         dump_folder.mkdir(parents=True, exist_ok=True)
-        args = wandb_run_args(os.environ, rank, dump_folder)
-        self.run = wandb.init(dir=str(dump_folder), config=run_config, **args)
+        environ = dict(os.environ)
+        if "WANDB_RUN_ID" not in environ:
+            environ["WANDB_RUN_ID"] = job_run_id(environ, dump_folder, resuming)
+        args = wandb_run_args(environ, rank, dump_folder)
+        # "allow": continue the run of that id if it exists. The user's WANDB_RESUME wins.
+        resume = None if "WANDB_RESUME" in environ else "allow"
+        self.run = wandb.init(dir=str(dump_folder), config=run_config, resume=resume, **args)
 
     def write(self, step: int, floats: dict) -> None:
         self.run.log(tagged(floats), step=step)
 
     def close(self, exit_code: int) -> None:
         self.run.finish(exit_code=exit_code)  # nonzero marks the run failed
+
+
+def job_run_id(environ, dump_folder: Path, resuming: bool) -> str:
+    """The W&B run id of this job: on a resume of the folder's own checkpoint, the id its first
+    run wrote to {dump_folder}/wandb/run_id; otherwise a new one, written there. A new id is the
+    same on every rank (save_for_all_ranks gives each rank `<id>-rank_N`): it is made from the
+    scheduler's job id, which survives requeues (SLURM_JOB_ID and SLURM_RESTART_COUNT), or
+    torchrun's run id and restart count, and the folder. A fresh start never takes an old id: W&B
+    would drop every step below the old run's last."""
+    saved = Path(dump_folder) / "wandb" / "run_id"
+    if resuming and saved.is_file():
+        return saved.read_text().strip()
+    folder = hashlib.sha256(str(Path(dump_folder).resolve()).encode()).hexdigest()[:8]
+    if environ.get("SLURM_JOB_ID"):
+        run_id = f"slurm{environ['SLURM_JOB_ID']}-{environ.get('SLURM_RESTART_COUNT', '0')}"
+    elif environ.get("TORCHELASTIC_RUN_ID", "none") != "none":  # torchrun's default rdzv id
+        run_id = f"{environ['TORCHELASTIC_RUN_ID']}-{environ.get('TORCHELASTIC_RESTART_COUNT')}"
+    else:
+        run_id = uuid.uuid4().hex[:8]
+    run_id = re.sub(r"[^A-Za-z0-9_-]", "-", f"{run_id}-{folder}")[-64:]
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = saved.with_name(f"run_id.{os.getpid()}")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(saved)  # every rank writes the same id; a reader never sees half a file
+    return run_id
 
 
 def wandb_run_args(environ, rank: int | None, dump_folder: Path) -> dict[str, str | None]:
@@ -134,8 +169,10 @@ def wandb_run_args(environ, rank: int | None, dump_folder: Path) -> dict[str, st
     }
 
 
-def build_sinks(cfg, dump_folder: Path, rank: int | None, run_config: dict | None) -> list:
-    """The enabled sinks; `rank` (save_for_all_ranks) gives each rank its own names."""
+def build_sinks(cfg, dump_folder: Path, rank: int | None, run_config: dict | None,
+                resuming: bool = False) -> list:  # fmt: skip
+    """The enabled sinks; `rank` (save_for_all_ranks) gives each rank its own names;
+    `resuming`: the run resumes its own checkpoint (its W&B run continues)."""
     sinks: list[Sink] = []
     if cfg.enable_tensorboard:
         per_rank = "" if rank is None else f"rank_{rank}"
@@ -144,7 +181,7 @@ def build_sinks(cfg, dump_folder: Path, rank: int | None, run_config: dict | Non
         name = "metrics.jsonl" if rank is None else f"metrics_rank_{rank}.jsonl"
         sinks.append(JsonlSink(dump_folder / name))
     if cfg.enable_wandb:
-        sinks.append(WandbSink(dump_folder, rank, run_config))
+        sinks.append(WandbSink(dump_folder, rank, run_config, resuming))
     return sinks
 
 

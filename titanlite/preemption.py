@@ -7,7 +7,11 @@ then finishes the step, saves and exits together.
 """
 
 import logging
+import os
 import signal
+
+import torch
+from torch.torch_version import TorchVersion
 
 logger = logging.getLogger(__name__)
 
@@ -25,3 +29,30 @@ class Preemption:
     def _handler(self, signum, frame) -> None:
         logger.warning("Got signal %d: will save a checkpoint and stop", signum)
         self.requested = True
+
+
+def stop_grace_seconds(configured: float, environ=os.environ, version: str = torch.__version__):
+    """How long a stop signal leaves the ranks to finish their step and save before SIGKILL:
+    checkpoint.stop_grace_seconds when set (a scheduler's grace, which torchrun cannot know),
+    else torchrun's: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which torchrun reads from torch 2.13 on
+    (scripts/multinode_trainer.slurm sets it), and a fixed 30 s before."""
+    if configured > 0:
+        return configured
+    if TorchVersion(version) >= (2, 13) and environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        return float(environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    return 30.0
+
+
+def warn_if_slower_than_grace(save_seconds: float, grace_seconds: float, what: str) -> bool:
+    """One warning when a save took longer than a stop signal leaves: on preemption that save
+    would be killed midway and the steps since the previous checkpoint lost."""
+    if save_seconds <= grace_seconds:
+        return False
+    logger.warning(
+        "%s took %.1f s, more than the %.0f s a stop signal (preemption, a requeue) leaves before "
+        "SIGKILL: a stop would lose the steps since the previous checkpoint. Give the job a "
+        "longer grace (SLURM GraceTime, SHUTDOWN_TIMEOUT in scripts/multinode_trainer.slurm) "
+        "and set checkpoint.stop_grace_seconds to it, or save faster (faster storage)",
+        what, save_seconds, grace_seconds,
+    )  # fmt: skip
+    return True

@@ -2,6 +2,7 @@
 staging, publishing off the training thread, RNG per rank, FSDP resharding. Single process unless
 a test says otherwise (multi-process tests launch real gloo workers: workers.py)."""
 
+import json
 import pickle
 import random
 import shutil
@@ -39,6 +40,23 @@ def test_round_trip_is_bitwise(tiny, tmp_path):
     tiny.train(fresh, 1, save=False)
     for x, y in zip(mgr.model.parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(x, y)
+
+
+def test_save_time_is_recorded_and_checked_against_the_stop_grace(tiny, tmp_path, caplog):
+    """Each checkpoint's marker holds how long its save took; a save slower than a stop signal
+    leaves warns when it is made and again when a run resumes from it."""
+    mgr = tiny.manager(tmp_path, stop_grace_seconds=1e-9)  # every save is slower
+    tiny.train(mgr, 1)
+    marker = json.loads((tmp_path / "checkpoint" / "step-1" / MARKER).read_text())
+    assert marker["step"] == 1 and 0 < marker["save_seconds"] < 600
+    slow = [r.getMessage() for r in caplog.records if "a stop signal" in r.getMessage()]
+    assert len(slow) == 1 and slow[0].startswith("the save of step 1 took")
+    caplog.clear()
+    assert tiny.resume(tiny.manager(tmp_path, stop_grace_seconds=1e-9)) == 1
+    assert [r for r in caplog.records if "the save of step-1 took" in r.getMessage()]
+    caplog.clear()
+    assert tiny.resume(tiny.manager(tmp_path, stop_grace_seconds=3600)) == 1
+    assert not [r for r in caplog.records if "a stop signal" in r.getMessage()]
 
 
 def test_fresh_start_and_exclude_from_loading(tiny, tmp_path):

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.checks import resolve_global_batch
 from titanlite.data.loader import build_train_loader
 from titanlite.data.sources import build_source
 from titanlite.data.store import TokenStore
 from titanlite.data.store_build import build_store
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.job import resolve_global_batch
 
 WORDS = ["alpha", "beta", "gamma", "delta", "pi", "x", "return", "def", "(", ")", "\n"]
 SHARD = 7  # documents per shard of the tiny store: ~17 shards for the 120-document corpus

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 import train
+from titanlite.checks import check_options
 from titanlite.config import ConfigError
 from titanlite.config_parse import parse_args
 from titanlite.distributed import init_distributed
@@ -28,7 +29,7 @@ def toy_args(flavor, vocab_size, max_seq_len, use_scaled_rope=False, **overrides
 
 def test_an_unregistered_name_is_refused_with_the_registered_ones():
     with pytest.raises(ConfigError, match=r"model.name 'foo' is not a registered .*: llama3"):
-        parse_args(["--model.name", "foo"])
+        check_options(parse_args(["--model.name", "foo"]))
     assert get_family("llama3").model_cls is Transformer
 
 

@@ -15,6 +15,7 @@ import logging
 import pickle
 import random
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlite.checkpoint.hf import check_heads, hf_names, load_hf, save_hf
 from titanlite.checkpoint.integrity import checksummed_writer, record
-from titanlite.checkpoint.layout import dist_on, prune, publish, rank, world_size
+from titanlite.checkpoint.layout import dist_on, prune, publish, rank, read_marker, world_size
 from titanlite.checkpoint.plan import (
     CheckpointError,
     LoadPlan,
@@ -49,6 +50,7 @@ from titanlite.config import EXCLUDABLE, ConfigError
 from titanlite.data.stream import dp_degree_changed
 from titanlite.hf import read_hf_config
 from titanlite.precision import DTYPES
+from titanlite.preemption import stop_grace_seconds, warn_if_slower_than_grace
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,8 @@ class CheckpointManager:
         self.dataloader, self.train_state = dataloader, train_state
         self.dp_degree, self.last_step, self.n_layers = dp_degree, last_step, n_layers
         self._last_saved = -1
+        self._grace_s = stop_grace_seconds(ckpt_cfg.stop_grace_seconds)
+        self._save_started = 0.0  # the save in flight: from its call to its publication
         # Publishing (marker, rename) and pruning (rmtree of terabytes at 405B) run in this
         # thread in both modes: on the training thread rank 0 would hold every other rank at
         # the next collective until they finish.
@@ -159,6 +163,7 @@ class CheckpointManager:
         last_save_model_only is an export: the weights in export_dtype, DCP or (last_save_in_hf)
         Hugging Face, written synchronously (the run ends right after it)."""
         self.wait()  # also: the staging buffers are free again, the previous write has read them
+        self._save_started = time.monotonic()
         export = step == self.last_step and self.cfg.last_save_model_only
         model_only = self.optimizer is None or not self.optimizer.state
         tmp = self.folder / f"step-{step}.tmp"
@@ -290,7 +295,10 @@ class CheckpointManager:
         it, goes into its marker), then prune."""
         if rank() != 0:
             return
-        logger.info("Saved checkpoint %s", publish(self.folder, step, info))
+        seconds = time.monotonic() - self._save_started
+        info = {**(info or {}), "save_seconds": round(seconds, 2)}
+        logger.info("Saved checkpoint %s in %.1f s", publish(self.folder, step, info), seconds)
+        warn_if_slower_than_grace(seconds, self._grace_s, f"the save of step {step}")
         prune(self.folder, self.cfg.keep_latest_k, keep=step)
 
     # ---------------------------------------------------------------- load
@@ -345,6 +353,9 @@ class CheckpointManager:
             state["dataloader_stream"] = {stream_key: b""}
         self._apply(self._read(path, state), parts, meta, rng_key, stream_key)
         logger.info("Loaded %s from %s", ", ".join(["model", *sorted(parts)]), path)
+        saved_in = read_marker(path).get("save_seconds")
+        if rank() == 0 and saved_in is not None:  # the last save, before this run spends time
+            warn_if_slower_than_grace(saved_in, self._grace_s, f"the save of {path.name}")
         return meta["step"] if "train_state" in parts else 0
 
     def _parts_to_load(self, model_only: bool) -> set[str]:

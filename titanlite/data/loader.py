@@ -310,7 +310,7 @@ def build_train_loader(
     validation: Validation | None = None,
 ) -> TrainLoader:
     """The training loader of one dp rank. `global_batch_size` and `num_microbatches` are
-    `titanlite.checks.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's;
+    `titanlite.job.resolve_global_batch(training, dp_degree)`; `vocab_size` is the model's;
     `seed` orders the samples.
     `validation` decides what is held out (None: its defaults, the same holdout as a run with
     validation on, so switching validation on does not change the training data)."""

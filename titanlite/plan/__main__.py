@@ -16,9 +16,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from titanlite.checks import resolve_global_batch
+from titanlite.checks import check_options
 from titanlite.config import ConfigError
 from titanlite.config_parse import dump_toml, parse_args
+from titanlite.job import resolve_global_batch
 from titanlite.parallel_dims import ParallelDims
 from titanlite.plan import calibrate
 from titanlite.plan.check import dry_run
@@ -95,6 +96,7 @@ def run(args, rest: list[str]) -> int:
         print_runs(read_runs(args.compare, args), device, constants)
         return 0
     cfg = parse_args(rest)
+    check_options(cfg)
     vocab, missing = (args.vocab_size, "") if args.vocab_size else vocab_size_of(cfg)
     model = model_of(cfg, vocab)
     if args.predict:
@@ -137,6 +139,7 @@ def run_plan(args, rest, cfg, model, cluster, constants, missing: str) -> int:
         print(explain(plan.fits[args.explain - 1]))
     if args.write:
         best = parse_args([*rest, *flags(plan.fits[0].layout)])
+        check_options(best)
         dump_toml(best, args.write)
         print(f"wrote {args.write}: train.py --job.config_file {args.write} on {args.gpus} GPUs")
     return 0

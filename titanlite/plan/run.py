@@ -5,8 +5,8 @@ import logging
 
 import torch
 
-from titanlite.config import ConfigError
-from titanlite.config_parse import apply_options
+from titanlite.config import ConfigError, JobConfig
+from titanlite.config_parse import with_options
 from titanlite.float8 import float8_enabled
 from titanlite.host import memory_per_local_rank
 from titanlite.memory_estimate import GIB, MemoryEstimate, estimate
@@ -19,56 +19,57 @@ from titanlite.plan.shape import layout_of, model_of, setup_from_config, vocab_s
 logger = logging.getLogger("titanlite")
 
 
-def gpu_kind(cfg, device: torch.device) -> str | None:
+def gpu_kind(config: JobConfig, device: torch.device) -> str | None:
     """The device-table entry to plan and predict for: parallelism.plan_device, else this GPU's."""
-    if cfg.parallelism.plan_device:
-        return cfg.parallelism.plan_device
+    if config.parallelism.plan_device:
+        return config.parallelism.plan_device
     return device_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
-def plan_layout(cfg, world_size: int, device: torch.device) -> None:
-    """--parallelism.plan auto: the fastest layout that fits this world, set on `cfg` (the run's
-    saved config.toml then holds it). Every rank plans alike from the same inputs."""
-    kind = gpu_kind(cfg, device)
+def plan_layout(config: JobConfig, world_size: int, device: torch.device) -> JobConfig:
+    """--parallelism.plan auto: a copy of `config` with the fastest layout that fits this
+    world (the run's saved config.toml then holds it), before anything is built; `config` is left as
+    it is. Every rank plans alike from the same inputs."""
+    kind = gpu_kind(config, device)
     if kind is None:
         raise ConfigError(f"parallelism.plan auto plans for a GPU of the device table ("
                           f"{', '.join(DEVICES)}), but this is {device}: set "
                           f"--parallelism.plan_device, or --parallelism.plan off")  # fmt: skip
-    if cfg.training.global_batch_size == -1:
+    if config.training.global_batch_size == -1:
         raise ConfigError("parallelism.plan auto keeps the global batch whatever the world size "
                           "(the same data order on any number of GPUs): set "
                           "--training.global_batch_size")  # fmt: skip
     gpus_per_node = min(world_size, torch.cuda.device_count() or world_size)
     cluster = Cluster(world_size, gpus_per_node, get_device(kind))
-    model = model_of(cfg, vocab_size_of(cfg)[0])
-    choices = Choices(float8=(float8_enabled(cfg),), compile=cfg.compile.enable)
-    plan = search(model, cluster, cfg.training.global_batch_size, calibrate.load(kind), choices)
+    model = model_of(config, vocab_size_of(config)[0])
+    choices = Choices(float8=(float8_enabled(config),), compile=config.compile.enable)
+    plan = search(model, cluster, config.training.global_batch_size, calibrate.load(kind), choices)
     if not plan.fits:
-        batch = cfg.training.global_batch_size
-        raise ConfigError(f"parallelism.plan auto: no layout of {cfg.model.flavor} with global "
+        batch = config.training.global_batch_size
+        raise ConfigError(f"parallelism.plan auto: no layout of {config.model.flavor} with global "
                           f"batch {batch} fits {world_size} x {kind}")  # fmt: skip
     best = plan.fits[0]
-    apply_options(cfg, flags(best.layout))
     logger.info("plan auto: %s, local batch %d x %d microbatches, AC %s, loss chunk %s on %d x "
                 "%s: predicted %.0f tokens/s per GPU, %.1f GiB", best.layout.describe(),
                 best.layout.local_batch_size, best.layout.accumulation, best.layout.ac,
                 best.layout.chunk_tokens or "off", world_size, kind,
                 best.prediction.tokens_per_s_per_gpu, best.memory_gib)  # fmt: skip
+    return with_options(config, flags(best.layout))
 
 
-def prediction(cfg, world_size: int, model_args, device: torch.device) -> dict:
+def prediction(config: JobConfig, world_size: int, model_args, device: torch.device) -> dict:
     """What the planner predicts for this run, as metrics of its first logged step: peak memory
     (the estimator, on this device type) and, on a GPU of the device table, the step time."""
-    setup = setup_from_config(cfg, world_size, model_args, device.type)
+    setup = setup_from_config(config, world_size, model_args, device.type)
     peak = estimate(setup)
     memory = peak.total / GIB
     out = {"world_size": world_size, "vocab_size": model_args.vocab_size,
            "predicted_memory_gib": memory, "predicted_step_s": None}  # fmt: skip
-    kind, step = gpu_kind(cfg, device), ""
+    kind, step = gpu_kind(config, device), ""
     if kind is not None:  # an unknown plan_device is one ConfigError here
-        model = model_of(cfg, model_args.vocab_size)
+        model = model_of(config, model_args.vocab_size)
         gpus_per_node = min(world_size, torch.cuda.device_count() or world_size)
-        lo = layout_of(cfg, world_size)
+        lo = layout_of(config, world_size)
         p = predict(model.shape, lo, get_device(kind), gpus_per_node, calibrate.load(kind))
         out["predicted_step_s"] = p.step_s
         step = f", step {p.step_s:.3f} s on {kind}"

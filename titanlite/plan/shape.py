@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from titanlite.build import model_args_for_vocab
-from titanlite.config import ConfigError
+from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import float8_enabled
+from titanlite.job import resolve_global_batch, resolve_model
 from titanlite.memory_estimate import MemorySetup, param_counts
 from titanlite.models import get_family
 from titanlite.parallel_dims import ParallelDims
@@ -25,14 +25,14 @@ class Model:
     shape: Shape
 
 
-def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
+def model_of(config: JobConfig, vocab_size: int, seq_len: int | None = None) -> Model:
     """The config's model at `vocab_size` (padded) and `seq_len` (default the config's)."""
     if seq_len:
-        cfg = replace(cfg, training=replace(cfg.training, seq_len=seq_len))
-    seq = cfg.training.seq_len
-    args = model_args_for_vocab(cfg, vocab_size)
-    counts = param_counts(args, cfg.model.name)
-    family = get_family(cfg.model.name)
+        config = replace(config, training=replace(config.training, seq_len=seq_len))
+    seq = config.training.seq_len
+    args = resolve_model(config, vocab_size).args
+    counts = param_counts(args, config.model.name)
+    family = get_family(config.model.name)
     head_dim = args.dim // args.n_heads
     shape = Shape(
         dim=args.dim,
@@ -47,28 +47,26 @@ def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
         flops_per_token=family.flops_per_token(counts["total"] - counts["embedding"], args, seq),
         seq_len=seq,
     )
-    return Model(cfg.model.name, args, counts, shape)
+    return Model(config.model.name, args, counts, shape)
 
 
-def layout_of(cfg, world_size: int) -> Layout:
+def layout_of(config: JobConfig, world_size: int) -> Layout:
     """The layout a config runs on `world_size` ranks (degrees resolved as training does)."""
-    from titanlite.checks import resolve_global_batch
-
-    pd = ParallelDims.from_config(cfg.parallelism, world_size)
-    _, accumulation = resolve_global_batch(cfg.training, pd.dp_degree)
-    return _layout(cfg, pd, accumulation)
+    pd = ParallelDims.from_config(config.parallelism, world_size)
+    _, accumulation = resolve_global_batch(config.training, pd.dp_degree)
+    return _layout(config, pd, accumulation)
 
 
-def _layout(cfg, pd: ParallelDims, accumulation: int = 1) -> Layout:
-    p, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
+def _layout(config: JobConfig, pd: ParallelDims, accumulation: int = 1) -> Layout:
+    p, t, ac = config.parallelism, config.training, config.activation_checkpoint
     # selective 'N' (every Nth block) has no planner value: modelled as 'op'.
     planned = {v: k for k, v in AC_CONFIG.items()}.get((ac.mode, ac.selective_ac_option), ac.mode)
     return Layout(
         tp=pd.tp, cp=pd.cp, pp=pd.pp, dp_replicate=pd.dp_replicate, dp_shard=pd.dp_shard,
         schedule=p.pipeline_parallel_schedule, local_batch_size=t.local_batch_size,
         pp_microbatch_size=p.pipeline_parallel_microbatch_size,
-        accumulation=accumulation, ac=planned,
-        chunk_tokens=cfg.loss.chunk_tokens, float8=float8_enabled(cfg), compile=cfg.compile.enable,
+        accumulation=accumulation, ac=planned, chunk_tokens=config.loss.chunk_tokens,
+        float8=float8_enabled(config), compile=config.compile.enable,
     )  # fmt: skip
 
 
@@ -91,16 +89,16 @@ def memory_setup(model_args, model_name: str, seq_len: int, lo: Layout, device: 
 
 
 def setup_from_config(
-    cfg, world_size: int, model_args, device: str = "cuda", rank: int = 0
+    config: JobConfig, world_size: int, model_args, device: str = "cuda", rank: int = 0
 ) -> MemorySetup:
     """A MemorySetup from a parsed JobConfig (degrees resolved for `world_size`) and the run's
     model args (titanlite.build makes them, as for training), for the pipeline rank of global
     `rank` (pipeline stages are the mesh's outermost dim). The estimate is of one microbatch's
     step, so the global batch is not checked here: training and the planner check it."""
-    p, t, ac = cfg.parallelism, cfg.training, cfg.activation_checkpoint
+    p, t, ac = config.parallelism, config.training, config.activation_checkpoint
     pd = ParallelDims.from_config(p, world_size)
     return memory_setup(
-        model_args, cfg.model.name, t.seq_len, _layout(cfg, pd, _accumulation(t, pd)), device,
+        model_args, config.model.name, t.seq_len, _layout(config, pd, _accumulation(t, pd)), device,
         selective_ac_option=ac.selective_ac_option,
         param_dtype=_compute_dtype_name(t.mixed_precision_param, device),
         loss_parallel=pd.loss_parallel(p), reshard_after_forward=p.fsdp_reshard_after_forward,
@@ -110,8 +108,6 @@ def setup_from_config(
 
 def _accumulation(training, pd: ParallelDims) -> int:
     """Microbatches per step; 1 where the global batch does not divide (training says so)."""
-    from titanlite.checks import resolve_global_batch
-
     try:
         return resolve_global_batch(training, pd.dp_degree)[1]
     except ConfigError:
@@ -133,13 +129,13 @@ def _compute_dtype_name(choice: str, device: str) -> str:
 LLAMA3_VOCAB = 128256
 
 
-def vocab_size_of(cfg) -> tuple[int, str]:
+def vocab_size_of(config: JobConfig) -> tuple[int, str]:
     """(the padded vocab of the config's tokenizer, ''), or Llama 3's and why where the tokenizer
     cannot be built here (a cluster's tokenizer file, planned for on a laptop)."""
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.models import pad_vocab
 
     try:
-        return pad_vocab(build_tokenizer(cfg.model).n_words), ""
+        return pad_vocab(build_tokenizer(config.model).n_words), ""
     except (OSError, ValueError) as e:
         return LLAMA3_VOCAB, f"tokenizer not available here ({e}); Llama 3's vocab assumed"

@@ -13,9 +13,9 @@ class Validator:
     """Runs when its `schedule` is due (the trainer's: validation.freq and the last step, when a
     validation loader exists)."""
 
-    def __init__(self, loader, validation_cfg, schedule, model_context, parallel_dims, device):
+    def __init__(self, loader, validation, schedule, model_context, parallel_dims, device):
         self.schedule = schedule
-        self.loader, self.steps = loader, validation_cfg.steps
+        self.loader, self.steps = loader, validation.steps
         self.model_context, self.device = model_context, device
         # Tokens are counted on whole sequences (dp ranks); loss sums come from CP's parts too.
         self.dp_mesh, self.loss_mesh = parallel_dims.dp_mesh, parallel_dims.loss_mesh
