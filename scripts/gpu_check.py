@@ -5,10 +5,11 @@
     scripts/gpu_check.sh --list                # the stages and their runs
     scripts/gpu_check.sh --cpu-smoke debug     # the plumbing on a CPU, a tiny model, 3 steps
 
-Each run is a fresh process (train.py, scripts/estimate_memory.py or scripts/bench_loss.py) with
-its own folder under {out}/runs/<name>/ (metrics.jsonl, log). Every finished run appends one row
-to {out}/results.jsonl, so stages run by separate commands accumulate; {out}/table.md holds the
-latest row of every run as a markdown table for docs/performance.md, and is printed.
+Each run is a fresh process (train.py, scripts/estimate_memory.py or
+scripts/benchmarks/bench_loss.py) with its own folder under {out}/runs/<name>/ (metrics.jsonl, log).
+Every finished run appends one row to {out}/results.jsonl, so stages run by separate commands
+accumulate; {out}/table.md holds the latest row of every run as a markdown table for
+docs/performance.md, and is printed.
 
 Pass rules: a training run passes when it exits 0, logged steps, and its last loss is below its
 first; with an estimate, the estimator's peak (less any allowance it adds for the CUDA context
@@ -195,7 +196,7 @@ def bench_loss_stage(m: Machine) -> list:
     """The loss alone at 8B's output shape: plain vs chunked cross-entropy, memory and time."""
     args = ("--dim", "4096", "--vocab", "128256", "--tokens", "8192",
             "--chunks", "1024,2048,4096", "--rounds", "2", "--iters", "5")  # fmt: skip
-    return [Run("bench_loss", args, script="scripts/bench_loss.py")]
+    return [Run("bench_loss", args, script="scripts/benchmarks/bench_loss.py")]
 
 
 def calibrate_stage(m: Machine) -> list:

@@ -120,8 +120,8 @@ def run_train(args, nproc=1, env=None, timeout=600, check=True, nnodes_args=None
 
 def torchrun_script(script, *args, nproc=4, timeout=600, check=True):
     """Run a worker script on `nproc` gloo ranks (1 thread each; plain python for one rank), each
-    a fork of a process that has imported torch and titanlite (tests/ranks.py); with `check` a
-    non-zero exit fails the test."""
+    a fork of a process that has imported torch and titanlite (tests/support/ranks.py); with
+    `check` a non-zero exit fails the test."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = run_ranks(script, args, nproc, env, timeout, free_port)
     if check and proc.returncode != 0:

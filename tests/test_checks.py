@@ -18,7 +18,6 @@ from titanlite.parallel_dims import ParallelDims
     "argv, expected",
     [
         (["--checkpoint.load_step", "3"], "needs --checkpoint.enable"),
-        (["--parallelism.context_parallel_rotate_method", "alltoall"], "use allgather"),
         (["--lr_scheduler.decay_ratio", "1.5"], "decay_ratio must be in [0, 1], or -1"),
         (["--optimizer.name", "SGD"], "AdamW"),
         (
@@ -138,5 +137,11 @@ def test_cpu_offload_races_are_refused_on_cuda(argv, device, version, expected):
 
 
 def test_no_offload_no_offload_check():
-    cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "2"])
-    check_offload_device(cfg, ParallelDims.from_config(cfg.parallelism, 4), CUDA, "2.11.0")
+    """HSDP on CUDA is refused only with CPU offload: the same layout without it passes."""
+    hsdp = ["--parallelism.data_parallel_replicate_degree", "2"]
+    offload = ["--training.enable_cpu_offload", "--training.max_norm", "0"]
+    cfg, offloaded = parse_args(hsdp), parse_args(hsdp + offload)
+    pd = ParallelDims.from_config(cfg.parallelism, 4)
+    assert check_offload_device(cfg, pd, CUDA, "2.11.0") is None
+    with pytest.raises(ConfigError, match="HSDP"):
+        check_offload_device(offloaded, pd, CUDA, "2.11.0")

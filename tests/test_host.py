@@ -8,7 +8,7 @@ import pytest
 
 from titanlite.host import GarbageCollection, cpus_per_local_rank, memory_per_local_rank
 
-WORKER = Path(__file__).with_name("pinned_cpus.py")
+WORKER = Path(__file__).parent / "support" / "pinned_cpus.py"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs CPU affinity")

@@ -175,9 +175,10 @@ def test_compiled_block_saves_what_the_estimate_counts(option, monkeypatch):
     from torch._inductor.decomposition import select_decomp_table
 
     import titanlite.models.llama.model as model_module
+    from titanlite.models import kernels
     from titanlite.models.llama.parallelize import apply_ac, apply_compile
 
-    monkeypatch.setattr(model_module, "native_gqa", lambda device: True)  # as on a GPU
+    monkeypatch.setattr(kernels, "native_gqa", lambda device: True)  # as on a GPU
     args = replace(ARGS, n_kv_heads=2, n_layers=1)
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleDict({"0": model_module.TransformerBlock(args)})
@@ -440,7 +441,7 @@ def test_fsdp_grad_bytes_is_what_fsdp_holds_under_pp(dtype, tmp_path):
     pp = ["--parallelism.pipeline_parallel_degree", "2"]
     args = [*TINY_TRAIN, *pp, "--training.steps", "2", "--training.mixed_precision_param", dtype,
             "--job.dump_folder", str(tmp_path)]  # fmt: skip
-    proc = torchrun_script(REPO / "tests" / "fsdp_grad_peak.py", *args, nproc=4)
+    proc = torchrun_script(REPO / "tests" / "support" / "fsdp_grad_peak.py", *args, nproc=4)
     ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3], proc.stdout
     for r in ranks:
@@ -453,8 +454,8 @@ def test_an_eager_block_saves_what_the_estimate_counts(dim, n):
     """Two eager blocks (GQA, 2 rows of 16 tokens) on this CPU, bf16 and fp32, plain, under TP 2
     with sequence parallel, under CP 2 and with a dense document mask: the bytes autograd saves
     for their backward, read through saved-tensor hooks, are the estimator's figure per block
-    (the mask's bias among them), to the byte (tests/block_saved_bytes.py)."""
-    proc = torchrun_script(REPO / "tests" / "block_saved_bytes.py", dim, nproc=n)
+    (the mask's bias among them), to the byte (tests/support/block_saved_bytes.py)."""
+    proc = torchrun_script(REPO / "tests" / "support" / "block_saved_bytes.py", dim, nproc=n)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
     assert len(rows) == 2 * n, proc.stdout
     for row in rows:

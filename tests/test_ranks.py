@@ -1,4 +1,4 @@
-"""tests/ranks.py, the suite's rank launcher: what a hung launch leaves to read."""
+"""tests/support/ranks.py, the suite's rank launcher: what a hung launch leaves to read."""
 
 import pytest
 from conftest import free_port

@@ -2,6 +2,7 @@
 allocate on the device, initialize. No rank ever holds the whole model. What the model family
 provides comes from the model hook (titanlite.models), asked by model.name."""
 
+import logging
 from dataclasses import replace
 from functools import partial
 
@@ -10,6 +11,8 @@ import torch
 from titanlite.float8 import maybe_convert_float8
 from titanlite.models import get_family, pad_vocab
 from titanlite.precision import DTYPES
+
+logger = logging.getLogger("titanlite")
 
 
 def model_args_for(cfg, tokenizer):
@@ -40,6 +43,13 @@ def build_model(cfg, model_args, parallel_dims, compute_dtype, device, pipeline=
     """Meta build -> (cut into this rank's pipeline stages) -> parallelize -> allocate this
     rank's shards on the device (not yet initialized): no rank ever holds the whole model."""
     family = get_family(cfg.model.name)
+    if parallel_dims.cp_enabled and cfg.parallelism.context_parallel_rotate_method == "alltoall":
+        # torchtitan's alltoall passes K/V around the CP ring in cp - 1 steps; the all-gather
+        # moves the same bytes at once, and attention sees the same K/V: the same numbers.
+        logger.info(
+            "parallelism.context_parallel_rotate_method alltoall: K/V are all-gathered instead "
+            "of passed around the ring (the same numbers; the memory estimate counts them)"
+        )
     with torch.device("meta"):
         model = family.model_cls(model_args)
     maybe_convert_float8(model, cfg)  # before TP and FSDP, which handle float8 linears

@@ -55,14 +55,6 @@ def check_options(cfg: JobConfig) -> None:
         )
     _check_early_step(cfg.optimizer, cfg.training, cfg.metrics)
     _check_wandb_installed(cfg.metrics)
-    if cfg.parallelism.context_parallel_rotate_method == "alltoall":
-        # torchtitan's ring exchange: the same bytes as one all-gather, sent in cp - 1 steps
-        # that overlap attention, never holding the whole sequence's K/V. titanlite gathers it
-        # (the memory estimator counts that K/V).
-        raise ConfigError(
-            "parallelism.context_parallel_rotate_method alltoall (ring attention, K/V passed "
-            "between CP ranks) is not implemented: titanlite all-gathers K/V; use allgather"
-        )
 
 
 def _check_no_urls(cfg: JobConfig) -> None:
@@ -217,7 +209,9 @@ def check_job(
     check_early_step_batch(cfg.optimizer, global_batch_size, num_microbatches,
                            parallel_dims.dp_degree)  # fmt: skip
     check_float8(cfg, parallel_dims)
-    canonical_schedule(cfg.parallelism.pipeline_parallel_schedule)  # a typo fails with PP off too
+    # A typo fails with PP off too.
+    p = cfg.parallelism
+    canonical_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     if parallel_dims.pp_enabled:
         check_pipeline_options(cfg)
 

@@ -186,7 +186,8 @@ class Parallelism:
     context_parallel_degree: int = opt(1, "Context-parallel degree: ranks sharing each sequence")
     context_parallel_rotate_method: str = opt(
         "allgather",
-        "How CP ranks share K/V: allgather (each gathers the sequence's K/V once per layer)",
+        "How CP ranks share K/V: allgather (each gathers the sequence's K/V once per layer); "
+        "alltoall (torchtitan's ring) runs the all-gather, with the same numbers",
         choices=("allgather", "alltoall"),
     )
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree")
@@ -209,7 +210,9 @@ class Parallelism:
     )
     pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree: ranks each running stages")
     pipeline_parallel_schedule: str = opt(
-        "1F1B", "Pipeline schedule (torch.distributed.pipelining name), e.g. GPipe, Interleaved1F1B"
+        "1F1B",
+        "Pipeline schedule (torch.distributed.pipelining name), e.g. GPipe, Interleaved1F1B; "
+        "with a schedule file, PipelineScheduleSingle or PipelineScheduleMulti",
     )
     pipeline_parallel_schedule_csv: str = opt(
         "",

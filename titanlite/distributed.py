@@ -13,11 +13,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.host import cpus_per_local_rank, keep_freed_memory
+from titanlite.torch_compat import (
+    fake_store,
+    foreach_norm,
+    process_groups,
+    release_mesh_groups,
+    set_group_timeout,
+)
 
 
 def init_distributed(
@@ -84,9 +90,7 @@ def init_fake_distributed(rank: int, world_size: int) -> tuple[int, int, int, to
     """One process plays `rank` of `world_size` over torch's fake process group: collectives
     return at once without moving data, so meshes, DTensor and FSDP build exactly as on the
     real job while only this rank's shards exist, on the CPU."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     return rank, 0, world_size, torch.device("cpu")
 
 
@@ -120,13 +124,13 @@ def store_namespace(environ) -> str:
 
 
 def set_collective_timeout(seconds: float, keep=()) -> None:
-    """Every process group's collective timeout but those of the groups in `keep` (torch has no
-    public setter: _set_pg_timeout is what torchtitan uses too). The ranks meet first, so none
-    runs a collective under the new timeout while another still works under the old one."""
+    """Every process group's collective timeout but those of the groups in `keep`. The ranks
+    meet first, so none runs a collective under the new timeout while another still works under
+    the old one."""
     dist.barrier()
-    for group in list(c10d._world.pg_map):
+    for group in process_groups():
         if group not in keep:
-            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+            set_group_timeout(group, seconds)
 
 
 class CollectiveTimeouts:
@@ -197,27 +201,11 @@ def destroy(barrier: bool = True) -> None:
         # Each rank entered the barrier after its last collective on any group (an async save's
         # included: CheckpointManager.close waits for it), so no peer still needs any group.
         if barrier:
-            _release_mesh_groups()
+            release_mesh_groups()
         # Groups still referenced from reference cycles (meshes held by a finished trainer's
         # modules) would otherwise be freed during interpreter shutdown, where gloo's worker
         # threads releasing their last work can abort the process ("terminate called ...").
         gc.collect()
-
-
-def _release_mesh_groups() -> None:
-    """Drop the process groups that DeviceMeshes hold (a root mesh keeps its dims' groups in
-    `_pg_registry`, torch 2.13). DTensor's module-level caches (sharding propagation,
-    redistribute plans) keep every mesh that a DTensor used alive, so without this its groups
-    outlive destroy_process_group() and gc (measured: 5 gloo groups with 15 threads per rank of
-    a 4-rank FSDP run, after train.py's teardown) and are closed during interpreter shutdown, at
-    a different moment on each rank."""
-    for obj in gc.get_objects():
-        # type(), not isinstance(): the heap holds weak proxies (isinstance on a dead one raises
-        # ReferenceError) and objects whose __instancecheck__ warns or fails.
-        if issubclass(type(obj), DeviceMesh):
-            registry = getattr(obj, "_pg_registry", None)
-            if registry:
-                registry.clear()
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -308,7 +296,7 @@ def grad_square_sums(
         acc = torch.float64 if device.type == "cpu" else torch.float32
         part = torch.zeros(len(groups), dtype=acc, device=device)
         for i, grads in by_group.items():
-            part[i] = torch.stack(torch._foreach_norm(grads, 2, dtype=acc)).square().sum()
+            part[i] = torch.stack(foreach_norm(grads, acc)).square().sum()
         for group in reduce_over:
             part = dist_sum(part, group)
         sums = part if sums is None else sums + part

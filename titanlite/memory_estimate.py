@@ -281,7 +281,7 @@ def block_activation_elems(s: MemorySetup) -> tuple[float, float, float]:
     # attention_norm's and ffn_norm's inputs (the residual stream) and fp32 rstd.
     norm_io = 2 * (dim + fp32) / tp
     gathered = 2 * dim  # norm outputs as the column-parallel linears save them
-    # SDPA's k and v (model.sdpa): the kv heads, or repeated to the query heads for a mask (CP's
+    # SDPA's k and v (kernels.sdpa): the kv heads, or repeated to the query heads for a mask (CP's
     # chunks, a dense document mask) and on CPU. Under CP the whole sequence's, gathered: one
     # copy, or the chunks' repeated keys, (2 cp + 1) / 2 per local token.
     dense_mask = a.document_masking and a.attention_backend == "sdpa"

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.config import ConfigError
+from titanlite.torch_compat import flatten_mesh, track_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -153,21 +154,21 @@ class ParallelDims:
         flattened meshes the trainer reduces over.
 
         Keeping size-1 dims makes every slice below valid for any layout, at the cost of a few
-        unused one-rank groups. _flatten is private but the only way (torch 2.11-2.13) to get one
-        1-D group over several dims.
+        unused one-rank groups. The root mesh is tracked so that teardown releases its groups.
         """
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        mesh = self.world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        self.world_mesh = track_mesh(mesh)
         if self.dp_enabled:
-            self._dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+            self._dp_mesh = flatten_mesh(mesh[("dp_replicate", "dp_shard")], "dp")
         if self.dp_enabled or self.cp_enabled or self.pp_enabled:
             # Under PP only the last stage's sums are not zero: adding over pp brings the loss
             # to every rank, the log rank (on the first stage) included.
             dims = ("pp", "dp_replicate", "dp_shard", "cp")
-            self._loss_mesh = mesh[dims]._flatten("pp_dp_cp")
+            self._loss_mesh = flatten_mesh(mesh[dims], "pp_dp_cp")
         self._fsdp_mesh = mesh["dp_shard"]
         if self.cp_enabled:
-            self._fsdp_mesh = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+            self._fsdp_mesh = flatten_mesh(mesh[("dp_shard", "cp")], "dp_shard_cp")
         if self.hsdp_enabled:
             self._fsdp_mesh = mesh[("dp_replicate", self._fsdp_mesh.mesh_dim_names[0])]
         # Asked every step: slicing the mesh then would cost host syncs.

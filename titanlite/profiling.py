@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from titanlite.config import ConfigError
+from titanlite.torch_compat import cuda_memory_snapshot, record_cuda_memory_history
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class _MemorySnapshotter:
         self.freq = freq
         self.step_num = global_step
         self.rank = rank
-        torch.cuda.memory._record_memory_history(max_entries=_SNAPSHOT_MAX_ENTRIES)
+        record_cuda_memory_history(_SNAPSHOT_MAX_ENTRIES)
 
     def step(self) -> None:
         self.step_num += 1
@@ -105,7 +106,7 @@ class _MemorySnapshotter:
         os.makedirs(step_dir, exist_ok=True)
         path = os.path.join(step_dir, f"rank{self.rank}_memory_snapshot.pickle")
         with open(path, "wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+            pickle.dump(cuda_memory_snapshot(), f)
         logger.info(f"Memory snapshot written to {path}")
 
 
@@ -141,4 +142,4 @@ def maybe_enable_memory_snapshot(
         snapshotter.dump(f"iteration_{snapshotter.step_num + 1}_exit")
         raise
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        record_cuda_memory_history(None)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import TINY_TRAIN, read_jsonl, train_many
-from test_accumulation import rel
+from numerics import rel
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 STEPS = 3

@@ -52,6 +52,19 @@ def test_dry_run_builds_only_this_ranks_share(tmp_path, capsys, flavor, world, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dry_run.json"]  # nothing else written
 
 
+def test_alltoall_rotation_runs_the_all_gather_and_says_so(tmp_path, capsys):
+    """torchtitan's --parallelism.context_parallel_rotate_method alltoall is accepted: K/V are
+    all-gathered (the same numbers: test_parallel_numerics.py's cp4_alltoall), and one line says
+    so."""
+    args = [*SMALL, "--comm.mode", "fake_backend", "--comm.fake_world_size", "2"]
+    args += ["--parallelism.context_parallel_degree", "2"]
+    args += ["--parallelism.context_parallel_rotate_method", "alltoall"]
+    code = train.main([*args, "--job.dump_folder", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.count("K/V are all-gathered instead of passed around the ring") == 1  # the log
+
+
 def test_dry_run_without_drawing_weights_reports_the_same_shares(tmp_path, capsys, monkeypatch):
     """--no-comm.fake_init_weights (the planner's check): built and allocated, nothing drawn."""
     args = [*SMALL, "--comm.mode", "fake_backend", "--comm.fake_world_size", "8"]

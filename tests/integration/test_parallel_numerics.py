@@ -45,6 +45,11 @@ LAYOUTS = {
     # 2e-7 of one process (loss and grad norm, 8 fp32 steps), so held to 1e-5: a layout must
     # not be a numerical approximation of one process.
     "cp4": (4, ["--parallelism.context_parallel_degree", "4", *one_microbatch(1)], 1e-5),
+    # torchtitan's ring rotation, by its flag: the all-gather runs, the same numbers.
+    "cp4_alltoall": (4, [
+        "--parallelism.context_parallel_degree", "4", *one_microbatch(1),
+        "--parallelism.context_parallel_rotate_method", "alltoall",
+    ], 1e-5),
     "cp2xfsdp2": (4, [
         "--parallelism.context_parallel_degree", "2",
         "--parallelism.data_parallel_shard_degree", "2", *one_microbatch(2),

@@ -27,6 +27,11 @@ FOUR_ROWS = ["--training.local_batch_size", "4"]  # multi-stage schedules: 4 sta
 # stages (layers_per_stage 2: the split Interleaved1F1B gets) and four microbatches, run by
 # torch's _PipelineScheduleRuntime under the default schedule name (1F1B, one stage a rank).
 SCHEDULE_FILE = "{schedule.csv}"
+CSV = "--parallelism.pipeline_parallel_schedule_csv"
+# A one-stage-a-rank file for PP 2 and four microbatches: rank 0 runs every forward first, rank 1
+# a backward after each forward.
+SINGLE_FILE = "{single.csv}"
+SINGLE_CSV = "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"
 # name: (ranks, args, relative tolerance on every step's loss and grad norm). Every schedule on
 # the debug model's 6 layers with the default split (PP 2: two stages of 3 layers, or four of 1-2
 # for multi-stage schedules), then PP with the other dims. Measured within 1.6e-7 of one process.
@@ -38,8 +43,14 @@ LAYOUTS = {
         for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                      "DualPipeV")
     },
-    "pp2_csv": (2, [PP, "2", "--parallelism.pipeline_parallel_schedule_csv", SCHEDULE_FILE,
+    "pp2_csv": (2, [PP, "2", CSV, SCHEDULE_FILE,
                     "--parallelism.pipeline_parallel_layers_per_stage", "2", *FOUR_ROWS], 1e-5),
+    # torchtitan's spelling (its pp_custom_csv case): the file's run named by torch's base class
+    # of multi-stage schedules, which places two stages a rank; or of one-stage ones.
+    "pp2_csv_multi": (2, [PP, "2", SCHEDULE, "PipelineScheduleMulti", CSV, SCHEDULE_FILE,
+                          *FOUR_ROWS], 1e-5),
+    "pp2_csv_single": (2, [PP, "2", SCHEDULE, "PipelineScheduleSingle", CSV, SINGLE_FILE,
+                           *FOUR_ROWS], 1e-5),
     "pp4_1f1b": (4, [PP, "4", *FOUR_ROWS], 1e-5),
     "pp2_fsdp2": (4, [PP, "2", "--parallelism.data_parallel_shard_degree", "2"], 1e-5),
     "pp2_fsdp2_zbv": (4, [PP, "2", SCHEDULE, "ZBVZeroBubble", *FOUR_ROWS], 1e-5),
@@ -74,10 +85,14 @@ VALIDATION = ["--validation.enable", "--validation.freq", "2", "--validation.hol
 def runs(tmp_path_factory):
     """The one-process reference and every layout, by name -> dump folder."""
     out = tmp_path_factory.mktemp("runs")
-    csv = str(write_torch_schedule(out / "schedule.csv", "Interleaved1F1B", 2, 4, 4))
+    files = {
+        SCHEDULE_FILE: str(write_torch_schedule(out / "schedule.csv", "Interleaved1F1B", 2, 4, 4)),
+        SINGLE_FILE: str(out / "single.csv"),
+    }
+    (out / "single.csv").write_text(SINGLE_CSV)
     masked = [*masked_runs(out, "debugmodel")[0], *VALIDATION]
     jobs = {"reference": (1, SIX_LAYERS), "mask_one": (1, masked)}
-    jobs |= {name: (n, [*SIX_LAYERS, *(csv if a == SCHEDULE_FILE else a for a in args)])
+    jobs |= {name: (n, [*SIX_LAYERS, *(files.get(a, a) for a in args)])
              for name, (n, args, _) in LAYOUTS.items()}  # fmt: skip
     jobs |= {name: (n, [*masked, *args]) for name, (n, args) in MASKED.items()}
     return launch(out, jobs)

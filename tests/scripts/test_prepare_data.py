@@ -165,7 +165,7 @@ def test_train_from_a_prepared_dir(data_corpus_dir, tmp_path):
     assert not (tmp_path / "cache").exists()  # nothing tokenized at run time
 
 
-@pytest.mark.parametrize("script", ["prepare_data.py", "bench_data.py"])
+@pytest.mark.parametrize("script", ["prepare_data.py", "benchmarks/bench_data.py"])
 def test_a_worker_does_not_import_torch(script):
     """Each spawned worker re-imports the script as `__mp_main__` and then only tokenizes:
     torch would cost it ~2.5 s of CPU and ~250 MB (measured 280 MB against 42 MB a worker)."""

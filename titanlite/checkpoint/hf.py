@@ -22,12 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-
-# Private module, same signature in torch 2.11 and 2.13: the writer's own enable_consolidation
-# runs the whole consolidation on rank 0 alone.
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files_on_every_rank,
-)
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -45,6 +39,7 @@ from titanlite.hf import (
 )
 from titanlite.models.llama.args import ModelArgs
 from titanlite.precision import DTYPES
+from titanlite.torch_compat import consolidate_hf_safetensors
 
 
 def hf_names(args: ModelArgs, names) -> dict[str, tuple[str, int | None]]:
@@ -135,7 +130,7 @@ def save_hf(model, out: Path, dtype: str) -> None:
             state, storage_writer=HuggingFaceStorageWriter(str(sharded), save_distributed=True)
         )
     file_of = {names[ours][0]: i for i, unit in enumerate(units(args.n_layers), 1) for ours in unit}
-    consolidate_safetensors_files_on_every_rank(str(sharded), str(out), file_of)
+    consolidate_hf_safetensors(str(sharded), str(out), file_of)
     # Every rank sees the index rank 0 wrote (the consolidation ends with a barrier).
     files = hf_files(out)
     me, world = rank(), world_size()

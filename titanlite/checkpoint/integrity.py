@@ -9,7 +9,7 @@ however many ranks load it; a missing or resized file is caught without reading 
 without checksums (made by hand, a Hugging Face export, a seed checkpoint) loads unverified.
 
 xxh3_64 (python-xxhash, which `datasets` already pulls in): among the fastest here and a 64-bit
-digest (`scripts/bench_integrity.py`, 1 GiB in 16 MiB chunks, two runs on the 2-vCPU test
+digest (`scripts/benchmarks/bench_integrity.py`, 1 GiB in 16 MiB chunks, two runs on the 2-vCPU test
 machine, GB/s: xxh3_64 10.1 / 9.1, hardware crc32c 6.2 / 10.4, google-crc32c 3.6 / 5.7, xxh64
 4.2 / 4.0, zlib.crc32 2.0 / 2.1). Like them it releases the GIL, so an async save, which writes
 and hashes in a background thread, does not stall the training thread. It guards against

@@ -22,10 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from io import IOBase
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.utils import _create_file_view
+
+from titanlite.torch_compat import file_view, narrow_by_index, storage_file_offset
 
 
 @dataclasses.dataclass
@@ -71,9 +71,9 @@ class DirectReader(FileSystemReader):
             return None
         # Only the archive's pickle and zip directory are read: a meta tensor has no data.
         stored = torch.load(
-            _create_file_view(f, info.offset, info.length), map_location="meta", weights_only=True
+            file_view(f, info.offset, info.length), map_location="meta", weights_only=True
         )
-        part = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+        part = narrow_by_index(stored, item.storage_offsets, item.lengths)
         if not part.is_contiguous():
             return None
         target = planner.resolve_tensor(item).detach()
@@ -82,7 +82,7 @@ class DirectReader(FileSystemReader):
                 f"checkpoint item {item.storage_index} has shape {tuple(part.shape)}, its "
                 f"destination {tuple(target.shape)}"
             )
-        offset = stored.untyped_storage()._checkpoint_offset
+        offset = storage_file_offset(stored)
         start = info.offset + offset + part.storage_offset() * part.element_size()
         return _Read(item, start, part, target)
 

@@ -9,8 +9,9 @@ when the run ends.
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import AsyncStager
+
+from titanlite.torch_compat import state_dict_stager
 
 
 class ReusingStager(AsyncStager):
@@ -30,7 +31,7 @@ class ReusingStager(AsyncStager):
 
     def __init__(self):
         self._cuda = torch.cuda.is_available()
-        self._stager = StateDictStager(pin_memory=self._cuda, share_memory=False)
+        self._stager = state_dict_stager(pin_memory=self._cuda)
         self._stream = torch.cuda.Stream() if self._cuda else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="titanlite-staging")
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 from titanlite.progress import Progress
+from titanlite.torch_compat import fake_tensor_mode, storage_file_offset
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def torch_save_lazily(state, path: Path | str, label: str = "writing") -> None:
     """
     state = _tensors_as_lazy(state)
     leaves = list(_walk_lazy(state))
-    with FakeTensorMode():
+    with fake_tensor_mode():
         skeleton = _replace_lazy(state, lambda lz: torch.empty(lz.shape, dtype=lz.dtype))
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(skeleton, path)
@@ -166,7 +166,7 @@ def torch_save_lazily(state, path: Path | str, label: str = "writing") -> None:
         for leaf_path, lazy in leaves:
             t = materialize(lazy)
             if t.numel():
-                f.seek(_get(placed, leaf_path).untyped_storage()._checkpoint_offset)
+                f.seek(storage_file_offset(_get(placed, leaf_path)))
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             progress.add(t.numel() * t.element_size())
             del t

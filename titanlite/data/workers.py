@@ -30,6 +30,7 @@ import torch
 from titanlite.config import DataLoader
 from titanlite.data.order import Microbatches
 from titanlite.preemption import SIGNALS
+from titanlite.torch_compat import shutdown_loader_workers
 
 logger = logging.getLogger(__name__)
 _START_METHOD = "fork" if sys.platform == "linux" else None
@@ -96,7 +97,7 @@ class WorkerSteps:
         # torch's own teardown, which its iterator's __del__ calls: explicit here, because an
         # error raised from a worker keeps the iterator alive in the traceback.
         if self._batches is not None:
-            self._batches._shutdown_workers()
+            shutdown_loader_workers(self._batches)
         self._batches = None
 
     def close(self) -> None:

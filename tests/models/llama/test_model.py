@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.config import ConfigError
+from titanlite.models import kernels
 from titanlite.models.llama import model as model_module
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs, get_model_args, pad_vocab
 from titanlite.models.llama.model import (
@@ -54,8 +55,8 @@ def test_sdpa_gqa_reads_kv_heads_in_place_only_unmasked_off_cpu(
     (on CUDA that pair leaves SDPA only its math kernel); on CPU: repeated. Every form equals the
     repeated-K/V one (Meta's repeat_kv order: query head j uses kv head j // 4), outputs and
     gradients, to fp32 rounding."""
-    assert not model_module.native_gqa(torch.device("cpu"))
-    monkeypatch.setattr(model_module, "native_gqa", lambda device: native)
+    assert not kernels.native_gqa(torch.device("cpu"))
+    monkeypatch.setattr(kernels, "native_gqa", lambda device: native)
     g = torch.Generator().manual_seed(0)
     q, grad_out = (torch.randn(2, 8, 12, 16, generator=g) for _ in range(2))
     k, v = (torch.randn(2, 2, 12, 16, generator=g) for _ in range(2))
@@ -97,7 +98,7 @@ def test_attention_backward_runs_in_fp32_for_bf16_on_cpu_up_to_head_dim_64(
     device, dtype, head_dim, fp32
 ):
     q = torch.empty(2, 4, 8, head_dim, dtype=dtype, device=device)
-    assert model_module.fp32_backward(q) == fp32
+    assert kernels.fp32_backward(q) == fp32
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -116,7 +117,7 @@ def test_cpu_bf16_attention_forward_is_sdpa_and_backward_is_fp32(masked, n_kv_he
     if masked:
         doc = (torch.arange(64) >= 20).long().repeat(2, 1)  # documents of 20 and 44 tokens
         mask = model_module.document_causal_mask(doc)
-    assert model_module.fp32_backward(q)
+    assert kernels.fp32_backward(q)
     qkv = [t.clone().requires_grad_() for t in (q, k, v)]
     out = sdpa(*qkv, mask)
     out.backward(grad_out)

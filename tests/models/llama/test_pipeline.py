@@ -73,6 +73,11 @@ def test_uneven_split_and_layers_per_stage():
         ((6, 4, 2, options()), r"1F1B over 4 stages needs at least 4 microbatches per step, but"),
         ((6, 2, 3, options("ZBVZeroBubble")), r"over 4 stages needs at least 4 microbatches"),
         ((6, 2, 6, options("Interleaved1F1B", microbatch_size=2)), "needs a multiple of 2 micro"),
+        (
+            (6, 2, 4, options("PipelineScheduleMulti")),
+            "PipelineScheduleMulti runs a schedule read from a file: set "
+            "parallelism.pipeline_parallel_schedule_csv",
+        ),
     ],
 )
 def test_bad_plans_name_the_fix(args, match):
@@ -110,6 +115,23 @@ def test_stages_keep_the_whole_models_names_and_run_in_sequence():
     torch.testing.assert_close(stages[1](hidden, labels), whole(tokens, labels), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    "name, per_rank, rank1_stages",
+    [("PipelineScheduleMulti", 2, [1, 3]), ("pipelineschedulesingle", 1, [1])],
+)
+def test_torchtitans_csv_schedule_names_place_the_stages(name, per_rank, rank1_stages, tmp_path):
+    """torchtitan names a schedule file's run by torch's base class: Multi places two stages a
+    rank, looped (as Interleaved1F1B), Single one (as 1F1B); the file then runs."""
+    csv = tmp_path / "schedule.csv"
+    if per_rank == 2:
+        csv.write_text("0F0,2F0,0F1,2F1,2B0,0B0,2B1,0B1\n1F0,3F0,1F1,3F1,3B0,1B0,3B1,1B1\n")
+    else:
+        csv.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    plan = plan_pipeline(6, 2, 2, options(name, csv=csv))
+    assert (plan.stages_per_rank, plan.num_stages, plan.csv) == (per_rank, 2 * per_rank, str(csv))
+    assert plan.stage_ids(1, 2) == rank1_stages
+
+
 # A schedule file's order for both stages on one rank: split backwards (I, then W) as in the
 # zero-bubble schedules, microbatch 1's forward overlapped with microbatch 0's backward input.
 ONE_RANK_CSV = "0F0,1F0,1I0,(0F1;0I0)OVERLAP_F_B,1F1,1I1,0I1,1W0,0W0,1W1,0W1\n"
@@ -118,7 +140,7 @@ ONE_RANK_CSV = "0F0,1F0,1I0,(0F1;0I0)OVERLAP_F_B,1F1,1I1,0I1,1W0,0W0,1W1,0W1\n"
 @pytest.mark.parametrize(
     "schedule, csv",
     [("InterleavedZeroBubble", ""), ("ZBVZeroBubble", ""), ("DualPipeV", ""),
-     ("Interleaved1F1B", ONE_RANK_CSV)],
+     ("Interleaved1F1B", ONE_RANK_CSV), ("PipelineScheduleMulti", ONE_RANK_CSV)],
 )  # fmt: skip
 def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule, csv, tmp_path):
     """Both stages on one rank (a one-rank group), the chunked loss on. What torch 2.11 needs

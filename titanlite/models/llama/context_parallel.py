@@ -13,10 +13,11 @@ the model; under pipeline parallelism, on every stage.
 """
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.nn.attention.flex_attention import BlockMask
 
-from titanlite.models.llama.model import causal_attention, sdpa
+from titanlite.models.kernels import sdpa
+from titanlite.models.llama.model import causal_attention
+from titanlite.torch_compat import all_gather_autograd
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -36,7 +37,7 @@ def gather_sequence(x: torch.Tensor, group, cp: int, dim: int) -> torch.Tensor:
     The autograd all-gather's backward is a reduce-scatter (sum), which is the gradient of the
     gather: every rank's queries contribute to the gradient of the keys of earlier chunks.
     """
-    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=0, group=group)
+    gathered = all_gather_autograd(x.contiguous(), 0, group)
     halves = [part.chunk(2, dim=dim) for part in gathered.chunk(cp, dim=0)]  # per rank
     # Rank r holds chunks r and 2cp-1-r: first halves in rank order, then second halves reversed.
     ordered = [h[0] for h in halves] + [h[1] for h in reversed(halves)]

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanlite.loss import cross_entropy_sum, linear_cross_entropy_sum
+from titanlite.models.kernels import rms_norm, sdpa
 from titanlite.models.llama.args import (
     ROPE_HIGH_FREQ_FACTOR,
     ROPE_LOW_FREQ_FACTOR,
@@ -81,92 +82,6 @@ def causal_attention(q, k, v, mask: torch.Tensor | BlockMask | None = None) -> t
     if isinstance(mask, BlockMask):
         return _flex_attention(q, k, v, mask)
     return sdpa(q, k, v, mask)
-
-
-def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA of q [b, hq, sq, hd] over k, v [b, hkv, skv, hd] -> [b, hq, sq, hd]: causal (sq ==
-    skv), or where the bool `mask` [.., sq, skv] is True.
-
-    GQA: query head j attends with kv head j // n_rep (Meta's repeat_kv order; SDPA's enable_gqa
-    and flex's too). Without a mask, on a GPU, SDPA reads the kv heads in place (enable_gqa: the
-    flash and cuDNN kernels do GQA natively, with no n_rep-fold copy of K and V to write and keep
-    for backward). With a mask K and V are repeated to hq heads first: no fused CUDA kernel of
-    torch 2.11 takes a mask together with GQA when cuDNN's is not chosen (flash takes no mask,
-    memory-efficient no GQA), and SDPA's math fallback materializes every score [b, hq, sq, skv].
-    """
-    n_rep = q.shape[1] // k.shape[1]
-    if mask is None and native_gqa(q.device):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
-    if fp32_backward(q):
-        return CpuFlashFp32Backward.apply(
-            q, k, v, None if mask is None else additive_bias(mask, q.dtype)
-        )
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[b, hkv, s, hd] -> [b, hkv * n_rep, s, hd], each kv head repeated for its query heads."""
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
-
-def additive_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True = attend) as SDPA applies it: 0 where True, -inf elsewhere."""
-    return torch.zeros_like(mask, dtype=dtype).masked_fill_(~mask, -math.inf)
-
-
-def fp32_backward(q: torch.Tensor) -> bool:
-    """Whether attention's backward runs in fp32 (CpuFlashFp32Backward): for bf16 on CPU at
-    head_dim <= 64. Up to there torch's bf16 CPU flash backward is the slower kernel or no
-    faster (an AVX-512 BF16 machine, 8 x 256 tokens at width 256, with the casts, 1 / 2 threads:
-    50 / 27 against 27 / 15 ms at head_dim 16, 29 / 15 against 21 / 13 at 32, 20.4 / 10.1
-    against 19.3 / 9.9 at 64; 11-18% faster at 128: scripts/bench_cpu_attention.py), and at every
-    head_dim it is the less exact one (gradients 3.5e-3 off an fp64 backward, relative, against
-    1.9e-3). At 64 the casts take what the kernel saves (a width-768 model's step: the same time
-    either way), so there the reason is the exact gradients."""
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[-1] <= 64
-
-
-class CpuFlashFp32Backward(torch.autograd.Function):
-    """Attention of q [b, hq, s, hd] over k, v [b, hkv, s, hd] by torch's CPU flash kernel,
-    causal (bias None) or with an additive bias. The forward is SDPA's, bitwise, in the inputs'
-    dtype; the backward runs the same kernel's backward in fp32, sums the query heads' K and V
-    gradients in fp32 and rounds each gradient once. It keeps what SDPA with repeated K and V
-    keeps for backward (q, the repeated k and v, the bias, out, logsumexp)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias):
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out, lse = flash(q, k, v, 0.0, bias is None, attn_mask=bias)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.n_rep = n_rep
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        fp32 = [t.float() for t in (grad_out, q, k, v, out)]
-        bias = None if bias is None else bias.float()
-        dq, dk, dv = flash_backward(*fp32, lse, 0.0, bias is None, attn_mask=bias)
-        if ctx.n_rep > 1:  # [b, hkv * n_rep, s, hd] -> [b, hkv, s, hd]: query heads adjacent
-            dk, dv = (g.unflatten(1, (-1, ctx.n_rep)).sum(2) for g in (dk, dv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
-def native_gqa(device: torch.device) -> bool:
-    """Whether unmasked SDPA takes K and V with their kv heads (enable_gqa) on `device`.
-
-    Not on CPU: torch's CPU flash kernel is faster so (a debug-model step with 4 kv heads, batch
-    8 x 256, one thread: 841 -> 789 ms fp32, 718 -> 683 ms bf16 of CPU time), but its bf16
-    backward sums the query heads' K and V gradients less exactly (32 heads over 8: dk 7.2e-3
-    off fp64, relative, against 4.8e-3 repeated), enough to push bf16 layouts apart (TP 4 against
-    one process: 1.2e-4 on the second loss, against 2e-5). CUDA's flash kernel, by its source,
-    writes per-head gradients and sums them, as the repeated form's backward does.
-    """
-    return device.type != "cpu"
 
 
 @functools.cache
@@ -279,47 +194,11 @@ class FeedForward(nn.Module):
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm as the model builds it (over the last dim, with a weight), with a backward
-    of its own on CPU.
-
-    On a GPU torch runs one fused kernel each way. On CPU it runs the composite (upcast, pow,
-    mean, rsqrt, two products), and autograd differentiates each op: expanded gradients, mixed
-    bf16 x fp32 products, and an fp32 copy of the input and of x * rstd kept per norm. Here the
-    forward is the same ops (bitwise the same output) but keeps only the input and rstd, and the
-    backward is the closed form in fp32, rounded once: on the debug model's [8, 256, 256] norms,
-    one thread, fwd + bwd 2.3 -> 1.35 ms in bf16, 1.9 -> 1.1 ms in fp32, and 6 fewer bytes kept
-    per element in bf16. Compiled, inductor fuses the composite: it stays.
-    """
+    """nn.RMSNorm as the model builds it (over the last dim, with a weight), run by the kernel
+    its device takes (titanlite.models.kernels.rms_norm)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
-            return super().forward(x)
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        return _CpuRMSNorm.apply(x, self.weight, eps)
-
-
-class _CpuRMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        xf = x.float()  # x itself when x is fp32: nothing below writes into it
-        rstd = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [..., 1]
-        ctx.save_for_backward(x, weight, rstd)
-        return torch.mul(xf, rstd).mul_(weight.float()).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # y = xhat * w, xhat = x * rstd: dx = rstd * (g w - xhat * mean(g w xhat)), dw = sum g xhat.
-        # Every operand is made fp32 first: torch's CPU kernels for bf16 x fp32 are unvectorized.
-        x, weight, rstd = ctx.saved_tensors
-        g = grad.float()
-        xhat = x.to(torch.float32, copy=True).mul_(rstd)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = torch.mul(g, xhat).sum(tuple(range(x.dim() - 1))).to(weight.dtype)
-        gw = g * weight.float()
-        mean = torch.mul(gw, xhat).mean(-1, keepdim=True)
-        dx = gw.sub_(xhat.mul_(mean)).mul_(rstd)
-        return dx.to(x.dtype), dw, None
+        return rms_norm(x, self.weight, self.eps)
 
 
 class TransformerBlock(nn.Module):

@@ -11,7 +11,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -21,7 +20,6 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -36,6 +34,11 @@ from titanlite.models.llama.context_parallel import cp_attention, split_inputs
 from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
 from titanlite.models.tiled_init import fill_
 from titanlite.parallel_dims import ParallelDims
+from titanlite.torch_compat import (
+    checkpoint_wrapper,
+    local_shape_and_offset,
+    selective_ac_saved_ops,
+)
 
 # Wrapper prefixes that checkpoint_wrapper / torch.compile insert into parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -150,21 +153,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 
 
 # Ops whose outputs selective AC keeps: matmuls (expensive to recompute, cheap to store relative
-# to the elementwise tails) and attention. SDPA dispatches to a different op per device.
-_SAC_SAVE = {
-    torch.ops.aten.mm.default,
-    # Float8 linears: the float8 matmul, and the amax behind each tensorwise scale (one number;
-    # recomputing it rereads the whole input), as torchtitan keeps them.
-    torch.ops.aten._scaled_mm.default,
-    torch.ops.aten.max.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,  # what Hopper picks
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.higher_order.flex_attention,  # document masks on CUDA
-    # Under TP, recomputing would repeat the reduce-scatter collective.
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-}
+# to the elementwise tails), attention (SDPA dispatches to a different op per device) and TP's
+# reduce-scatter; the list names private aten ops, so it lives in torch_compat.
+_SAC_SAVE = selective_ac_saved_ops()
 
 
 def _sac_policy(ctx, func, *args, **kwargs):
@@ -314,9 +305,7 @@ def init_weights_parallel(model: nn.Module, seed: int, device) -> None:
         key, local, offset = _clean_name(name), param, None
         if isinstance(param, DTensor):
             local = param.to_local()
-            shape, offset = compute_local_shape_and_global_offset(
-                param.shape, param.device_mesh, param.placements
-            )
+            shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
             assert tuple(local.shape) == tuple(shape), (key, local.shape, shape)
         on_device = local.device == torch.device(device)
         drawn = local if on_device else torch.empty_like(local, device=device)

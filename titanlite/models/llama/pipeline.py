@@ -15,15 +15,14 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
-    _PipelineScheduleRuntime,
     get_schedule_class,
 )
 from torch.distributed.tensor import DTensor, Shard
 
 from titanlite.models.llama.pipeline_plan import PipelinePlan
+from titanlite.torch_compat import csv_schedule, pipeline_stage_base
 
 
 def cut_stages(model: nn.Module, plan: PipelinePlan, pp_mesh: DeviceMesh, tp_mesh=None):
@@ -94,16 +93,9 @@ class ScaledLoss:
         return torch.cat(sums).sum() if sums else None
 
 
-class _Stage(PipelineStage):
-    """A PipelineStage whose connection warm-up skips this rank itself, and whose forward-only
-    runs pass no gradients between its stages (below). Torch 2.11 warms up a connection to the
-    next and previous stage's rank, which on a V-shaped schedule's middle turn is the same rank:
-    gloo cannot send to itself, and the schedule already passes tensors between two stages of
-    one rank without a send. (Later torch warms up differently.)"""
-
-    def _get_init_p2p_neighbors_ops(self):
-        ops = super()._get_init_p2p_neighbors_ops()
-        return [op for op in ops if op.group_peer != self.group_rank]
+class _Stage(pipeline_stage_base()):
+    """A PipelineStage whose connection warm-up skips this rank itself (see torch_compat), and
+    whose forward-only runs pass no gradients between its stages (below)."""
 
     # Forward only (validation), torch's schedule runtime still walks a schedule's backward
     # actions, which do nothing then, but on a V-shaped schedule it hands their gradients from
@@ -142,14 +134,16 @@ class PipelinedModel(nn.Module):
                 stage.register_forward_hook(loss_as_vector)
         pipeline_stages = [_Stage(m, i, plan.num_stages, device, group=group)
                            for m, i in zip(stages, stage_ids)]  # fmt: skip
-        cls = _PipelineScheduleRuntime if plan.csv else get_schedule_class(plan.schedule)
-        self.loss, multi = ScaledLoss(), issubclass(cls, PipelineScheduleMulti)
-        self.schedule = cls(
-            pipeline_stages if multi else pipeline_stages[0], plan.microbatches,
-            loss_fn=self.loss, scale_grads=False,
-        )  # fmt: skip
+        self.loss = ScaledLoss()
         if plan.csv:  # checked by plan_pipeline; torch adds the sends and receives
-            self.schedule._load_csv(plan.csv)
+            self.schedule = csv_schedule(pipeline_stages, plan.microbatches, self.loss, plan.csv)
+        else:
+            cls = get_schedule_class(plan.schedule)
+            multi = issubclass(cls, PipelineScheduleMulti)
+            self.schedule = cls(
+                pipeline_stages if multi else pipeline_stages[0], plan.microbatches,
+                loss_fn=self.loss, scale_grads=False,
+            )  # fmt: skip
         self.device = device
 
     def param_init(self, name: str):

@@ -15,6 +15,10 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+# torchtitan's names for a schedule read from pipeline_parallel_schedule_csv: torch's base
+# classes of the one-stage and multi-stage schedules. They place the stages as the schedule
+# named here does (one a rank; two a rank, looped); without a file they name no order to run.
+CSV_SCHEDULES = {"PipelineScheduleSingle": "1F1B", "PipelineScheduleMulti": "Interleaved1F1B"}
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,24 @@ class PipelinePlan:
         return [pp_rank + k * pp for k in range(self.stages_per_rank)]
 
 
-def canonical_schedule(name: str) -> str:
+def canonical_schedule(name: str, csv: str = "") -> str:
+    """torch's spelling of the schedule `name`; a CSV schedule's class name (torchtitan's
+    spelling, with a file `csv`) as the named schedule that places its stages."""
+    for base, placed_as in CSV_SCHEDULES.items():
+        if base.lower() == name.lower():
+            if not csv:
+                raise ConfigError(
+                    f"parallelism.pipeline_parallel_schedule {base} runs a schedule read from a "
+                    f"file: set parallelism.pipeline_parallel_schedule_csv, or choose one of "
+                    f"{', '.join(SCHEDULES)}"
+                )
+            return placed_as
     for known in SCHEDULES:
         if known.lower() == name.lower():
             return known
     raise ConfigError(
-        f"parallelism.pipeline_parallel_schedule {name!r} is not a known schedule; "
-        f"choose one of {', '.join(SCHEDULES)}"
+        f"parallelism.pipeline_parallel_schedule {name!r} is not a known schedule; choose one "
+        f"of {', '.join(SCHEDULES)} (or, with a schedule file, {', '.join(CSV_SCHEDULES)})"
     )
 
 
@@ -53,8 +68,8 @@ def plan_pipeline(n_layers: int, pp: int, local_batch_size: int, p) -> PipelineP
     and the output as `*_stage_less_layers` layers each, so the default split balances work.
     A schedule file (pipeline_parallel_schedule_csv) replaces the named schedule, which then
     only places the stages and sets the default count (as in torchtitan); the file must fit."""
-    schedule = canonical_schedule(p.pipeline_parallel_schedule)
     csv = p.pipeline_parallel_schedule_csv
+    schedule = canonical_schedule(p.pipeline_parallel_schedule, csv)
     first, last = (
         p.pipeline_parallel_first_stage_less_layers,
         p.pipeline_parallel_last_stage_less_layers,

@@ -11,13 +11,8 @@ would otherwise fail inside the first step, or hang it.
 import csv
 import math
 
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _add_send_recv,
-    _validate_schedule,
-)
-
 from titanlite.config import ConfigError
+from titanlite.torch_compat import check_pipeline_actions, pipeline_action
 
 OPTION = "parallelism.pipeline_parallel_schedule_csv"
 FORMAT = "one row per pipeline rank of compute actions such as 0F0,1F0,1B0,0B0"
@@ -42,14 +37,9 @@ def check_schedule_csv(path: str, plan, pp: int, p) -> None:
             f"microbatch_size): number them 0 to {plan.microbatches - 1}, or change the batch"
         )
     try:
-        _validate_schedule(actions, pp, plan.num_stages, plan.microbatches)
         # torch's lowering adds the sends and receives; it stops where no rank can go on.
         owner = {stage: rank for rank in range(pp) for stage in plan.stage_ids(rank, pp)}
-        _add_send_recv(
-            {rank: [a for a in acts if a is not None] for rank, acts in actions.items()},
-            stage_to_rank=owner.__getitem__,
-            num_stages=plan.num_stages,
-        )
+        check_pipeline_actions(actions, pp, plan.num_stages, plan.microbatches, owner.__getitem__)
     except AssertionError as e:
         reason = str(e).splitlines()[0].strip()
         raise ConfigError(
@@ -58,8 +48,8 @@ def check_schedule_csv(path: str, plan, pp: int, p) -> None:
         ) from None
 
 
-def read_schedule_csv(path: str) -> dict[int, list[_Action | None]]:
-    """rank -> its row's actions (None for an empty cell), as torch's _load_csv reads them;
+def read_schedule_csv(path: str) -> dict[int, list]:
+    """rank -> its row's actions (None for an empty cell), as torch's CSV loader reads them;
     ConfigError for a file that cannot be read or a cell that is not a compute action."""
     try:
         with open(path, newline="") as f:
@@ -83,11 +73,11 @@ def read_schedule_csv(path: str) -> dict[int, list[_Action | None]]:
     return actions
 
 
-def _parse(cell: str) -> _Action | None | bool:
+def _parse(cell: str):
     """The cell's action, None for an empty cell, False for anything that is not one compute
     action with its microbatch (torch's parser accepts a prefix: "0Fx" reads as "0F")."""
     try:
-        action = _Action.from_str(cell)
+        action = pipeline_action(cell)
     except RuntimeError:
         return False
     if action is None:
@@ -97,7 +87,7 @@ def _parse(cell: str) -> _Action | None | bool:
     return action if ok else False
 
 
-def _compute(actions) -> list[_Action]:
+def _compute(actions) -> list:
     """The single compute actions of a row, an overlapped pair counted as its two."""
     return [s for a in actions if a is not None for s in (a.sub_actions or (a,))]
 

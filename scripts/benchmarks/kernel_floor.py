@@ -4,7 +4,8 @@
     calls = record_kernels(lambda: trainer.train_step())     # one eager step, calls recorded
     floor = time_kernels(calls, device)                       # seconds, and a table per op
 
-    python scripts/kernel_floor.py [--procs 2]   # this machine's own matmul rate, for comparison
+    # this machine's own matmul rate, for comparison:
+    python scripts/benchmarks/kernel_floor.py [--procs 2]
 
 A step can be no faster than the compute kernels it launches; everything else (norms, RoPE,
 activations, casts, the optimizer, Python) is what a framework adds or could fuse away. The
@@ -27,7 +28,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

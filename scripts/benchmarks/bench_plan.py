@@ -2,8 +2,8 @@
 (titanlite/plan/torchtitan_h100.json, read from benchmarks/llama3_h100_202412_torchtitan.md),
 each predicted with the same constants, beside what torchtitan measured.
 
-    python scripts/bench_plan.py                 # the table (markdown), errors, row order
-    python scripts/bench_plan.py --device_hbm_gbps 3350 --device_memory_gib 79.1
+    python scripts/benchmarks/bench_plan.py                # the table (markdown), errors, row order
+    python scripts/benchmarks/bench_plan.py --device_hbm_gbps 3350 --device_memory_gib 79.1
 
 torchtitan's cards were H100s with 96 GB of HBM2e (2.4 TB/s) held at 500 W; the device is the
 table's h100-sxm with that memory and bandwidth unless overridden. Rows that do not state the
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.plan.calibrate import load  # noqa: E402
@@ -25,7 +25,7 @@ from titanlite.plan.perf import Layout, predict  # noqa: E402
 from titanlite.plan.search import memory_gib  # noqa: E402
 from titanlite.plan.shape import LLAMA3_VOCAB, model_of  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROWS = REPO / "titanlite" / "plan" / "torchtitan_h100.json"
 CONFIGS = {"8B": "llama_8b.toml", "70B": "llama_70b.toml", "405B": "llama_405b.toml"}
 

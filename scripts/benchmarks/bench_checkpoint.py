@@ -1,8 +1,8 @@
 """Checkpoint I/O against the disk: save and load GB/s beside the folder's own sequential write
 and read bandwidth, and how long a save blocks the training loop, sync vs async (one process).
 
-    python scripts/bench_checkpoint.py                       # debugmodel and 1B with 4 layers
-    python scripts/bench_checkpoint.py --models 1B:16 --saves 5 --folder /fast/disk/tmp
+    python scripts/benchmarks/bench_checkpoint.py                  # debugmodel and 1B with 4 layers
+    python scripts/benchmarks/bench_checkpoint.py --models 1B:16 --saves 5 --folder /fast/disk/tmp
 
 For each model: fp32 weights plus AdamW state (after one real step, so the moments exist), saved
 through CheckpointManager `--saves` times per mode. An async save is followed by what a training
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from titanlite.checkpoint import CheckpointManager, LoadPlan  # noqa: E402
 from titanlite.config import Checkpoint  # noqa: E402
 from titanlite.models.llama.args import get_model_args  # noqa: E402

@@ -1,6 +1,6 @@
 """Which fused SDPA kernels take titanlite's attention calls on this GPU (bf16, forward + backward).
 
-    python scripts/sdpa_kernels.py
+    python scripts/benchmarks/sdpa_kernels.py
 
 A context-parallel rank attends its query chunk over the gathered keys with a boolean mask; SDPA
 has no fused kernel for every mask + GQA combination, and falls back to the O(S^2) math kernel

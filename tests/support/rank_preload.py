@@ -1,4 +1,5 @@
-"""What tests/ranks.py's forkserver loads once, so that every rank forked from it starts warm.
+"""What tests/support/ranks.py's forkserver loads once, so that every rank forked from it starts
+warm.
 
 Each item is work every rank would otherwise repeat, measured per process on this 2-core machine:
 - the modules a training run imports (torch, torch.distributed.tensor, titanlite): ~3 s;

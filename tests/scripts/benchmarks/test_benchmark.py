@@ -1,4 +1,5 @@
-"""Smoke test of scripts/benchmark.py: one tiny config, two measured steps, outputs exist."""
+"""Smoke test of scripts/benchmarks/benchmark.py: one tiny config, two measured steps, outputs
+exist."""
 
 import csv
 import importlib.util
@@ -7,7 +8,9 @@ from conftest import REPO, TINY_TRAIN
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    spec = importlib.util.spec_from_file_location(
+        "benchmark", REPO / "scripts" / "benchmarks" / "benchmark.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

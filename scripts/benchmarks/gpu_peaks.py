@@ -1,7 +1,7 @@
 """Achieved bf16 throughput of the kernels a training step is made of, alone, on this GPU: the
 ceilings against which the planner's fitted efficiencies (titanlite/plan/perf.py) can be read.
 
-    python scripts/gpu_peaks.py          # JSON: TFLOP/s per GEMM shape and per causal attention
+    python scripts/benchmarks/gpu_peaks.py   # JSON: TFLOP/s per GEMM shape and per causal attention
 
 GEMMs at Llama shapes ([8192 tokens, in] x [in, out]); causal GQA attention (32 query heads over
 8 kv heads) forward and forward + backward, FLOPs counted as executed: 2 x S x heads x head_dim

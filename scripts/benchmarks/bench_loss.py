@@ -1,6 +1,6 @@
 """Peak memory and time of the loss alone (forward + backward): plain vs chunked linear CE.
 
-    python scripts/bench_loss.py --dim 4096 --vocab 128256 --tokens 8192 --dtype bfloat16
+    python scripts/benchmarks/bench_loss.py --dim 4096 --vocab 128256 --tokens 8192 --dtype bfloat16
 
 Each run is a fresh subprocess so that one variant's peak cannot hide another's, and variants are
 interleaved over rounds so that a load change on a shared machine hits them alike. Memory is
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from titanlite.loss import cross_entropy_sum, linear_cross_entropy_sum  # noqa: E402
 
 GIB = 1024**3

@@ -1,9 +1,10 @@
 """Throughput / MFU / memory sweep: each config is a fresh train.py run, read back from its JSONL.
 
-    python scripts/benchmark.py                        # "cpu" preset: a few minutes on a laptop
-    python scripts/benchmark.py --preset h100x8        # Llama 3 8B, FSDP 8 (one H100 node)
-    python scripts/benchmark.py --preset cpu --steps 5 --warmup 2 --extra --training.seq_len 512
-    python scripts/benchmark.py --list
+    python scripts/benchmarks/benchmark.py                 # "cpu" preset: a few minutes on a laptop
+    python scripts/benchmarks/benchmark.py --preset h100x8      # Llama 3 8B, FSDP 8 (one H100 node)
+    python scripts/benchmarks/benchmark.py --preset cpu --steps 5 --warmup 2 \\
+        --extra --training.seq_len 512
+    python scripts/benchmarks/benchmark.py --list
 
 A config is a name, a process count and a list of train.py override strings. Each runs for
 warmup + steps steps with --metrics.log_freq 1 into {dump_folder}/bench/runs/<name>/ (plain
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEBUG = ["--job.config_file", "debug_model.toml"]
 _8B = ["--job.config_file", "llama_8b.toml", "--no-checkpoint.enable"]
 _SAC = "--activation_checkpoint.selective_ac_option"

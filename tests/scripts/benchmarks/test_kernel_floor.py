@@ -1,5 +1,5 @@
-"""scripts/kernel_floor.py: it records exactly the step's matmuls and attention calls, forward
-and backward, and replays them."""
+"""scripts/benchmarks/kernel_floor.py: it records exactly the step's matmuls and attention calls,
+forward and backward, and replays them."""
 
 import sys
 
@@ -7,7 +7,7 @@ import torch
 from conftest import REPO
 from torch import nn
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
 import kernel_floor  # noqa: E402
 from kernel_floor import gemm_flops, record_kernels, time_kernels  # noqa: E402
 

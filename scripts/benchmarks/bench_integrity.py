@@ -1,8 +1,8 @@
 """What checkpoint checksums cost: the hashes' speed, and a save and a load of one model with and
-without them (one process, fp32 + AdamW, as scripts/bench_checkpoint.py builds it).
+without them (one process, fp32 + AdamW, as scripts/benchmarks/bench_checkpoint.py builds it).
 
-    python scripts/bench_integrity.py                  # the 1B flavor (about 12 GB on disk)
-    python scripts/bench_integrity.py --model 1B:4 --repeats 3 --folder /fast/disk/tmp
+    python scripts/benchmarks/bench_integrity.py               # the 1B flavor (about 12 GB on disk)
+    python scripts/benchmarks/bench_integrity.py --model 1B:4 --repeats 3 --folder /fast/disk/tmp
 
 Hashes: 1 GiB of random bytes in 16 MiB chunks (as integrity.py reads files), best of 3, for
 xxh3_64 (what titanlite uses), xxh64 and zlib.crc32, and crc32c / google-crc32c when installed.
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import _State, build, state_gib  # noqa: E402
 

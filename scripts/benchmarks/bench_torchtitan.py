@@ -1,8 +1,9 @@
 """titanlite beside torchtitan on this machine: same model, data, batch and recipe, global tokens/s.
 
-    python scripts/bench_torchtitan.py --torchtitan /work/scratch/torchtitan \\
+    python scripts/benchmarks/bench_torchtitan.py --torchtitan /work/scratch/torchtitan \\
         --torchtitan-python /work/scratch/tt-venv/bin/python               # 4 configs x 3 repeats
-    python scripts/bench_torchtitan.py ... --configs dp1_fp32 --steps 8 --repeats 1   # a smoke run
+    # a smoke run:
+    python scripts/benchmarks/bench_torchtitan.py ... --configs dp1_fp32 --steps 8 --repeats 1
 
 The model is Llama 3's debug shape (dim 256, 6 layers, 16 heads, SwiGLU 768, vocabulary 2048,
 6,163,712 parameters in both), local batch 8 x 256 tokens per data-parallel rank, no compile, no
@@ -22,15 +23,15 @@ foreach before ab00108, the loss unchunked at this size). Configs:
 
 Both frameworks train on one local JSON-lines file in C4's schema ({"text", "timestamp", "url"}),
 `--data`, or `--docs` documents cut from the Python standard library's sources by
-scripts/bench_data.py's write_corpus into OUT/corpus.jsonl when that is absent. Tokenizers
-differ: torchtitan uses its bundled test tokenizer (tests/assets/tokenizer/tokenizer.json, a
-Hugging Face BPE file), which titanlite cannot read (it reads tiktoken encodings and tiktoken BPE
-rank files), so titanlite uses its debug vocabulary, the first 2,043 BPE ranks of cl100k and its
-5 special tokens (2,048 ids, the same embedding and output shapes). The same text is therefore
-different token streams: losses are each framework's own and are not compared, only throughput
-is. Each framework launches through torchrun (--standalone), torchtitan through
-scripts/torchtitan_cpu.py, which replaces at run time the functions of torchtitan that fail on a
-CPU (see its docstring) without changing its files.
+scripts/benchmarks/bench_data.py's write_corpus into OUT/corpus.jsonl when that is absent.
+Tokenizers differ: torchtitan uses its bundled test tokenizer
+(tests/assets/tokenizer/tokenizer.json, a Hugging Face BPE file), which titanlite cannot read (it
+reads tiktoken encodings and tiktoken BPE rank files), so titanlite uses its debug vocabulary, the
+first 2,043 BPE ranks of cl100k and its 5 special tokens (2,048 ids, the same embedding and output
+shapes). The same text is therefore different token streams: losses are each framework's own and are
+not compared, only throughput is. Each framework launches through torchrun (--standalone),
+torchtitan through scripts/benchmarks/torchtitan_cpu.py, which replaces at run time the functions of
+torchtitan that fail on a CPU (see its docstring) without changing its files.
 
 Measurement: runs alternate titanlite, torchtitan, titanlite, ... (each repeat runs every
 config, both frameworks), `--repeats` times. This process reads each run's console as it comes
@@ -74,9 +75,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHIM = REPO / "scripts" / "torchtitan_cpu.py"
-PINNED_COMMIT = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"  # scripts/torchtitan_cpu.py's
+REPO = Path(__file__).resolve().parents[2]
+SHIM = REPO / "scripts" / "benchmarks" / "torchtitan_cpu.py"
+PINNED_COMMIT = "b5bcd76c66d0acb1a08b176d9639425bc55e0b2a"  # scripts/benchmarks/torchtitan_cpu.py's
 FRAMEWORKS = ("titanlite", "torchtitan")
 # name -> (processes, threads per process, compute dtype)
 CONFIGS = {

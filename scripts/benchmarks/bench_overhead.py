@@ -1,8 +1,8 @@
 """titanlite's training step vs a bare PyTorch loop on the same model, data and optimizer.
 
-    python scripts/bench_overhead.py                          # debug model, fp32, batch 8 x 256
-    python scripts/bench_overhead.py --dtype bfloat16 --rounds 5
-    python scripts/bench_overhead.py --custom_model 768,12,12 --batch 1   # ~100M params
+    python scripts/benchmarks/bench_overhead.py                   # debug model, fp32, batch 8 x 256
+    python scripts/benchmarks/bench_overhead.py --dtype bfloat16 --rounds 5
+    python scripts/benchmarks/bench_overhead.py --custom_model 768,12,12 --batch 1   # ~100M params
 
 One process, in-process: train.py's Trainer is built from the same JobConfig train.py would
 parse, and a bare loop (model(tokens) -> logits -> F.cross_entropy -> backward -> AdamW step ->
@@ -11,9 +11,9 @@ settings on the same microbatches. The two alternate in blocks of --steps steps 
 rounds after --warmup steps each, so machine load hits both alike; the result is the ratio of
 median step times (trainer / bare; target <= 1.05) and tokens/s of each.
 
-Then the kernel floor (scripts/kernel_floor.py): one more titanlite step records its matmul and
-attention calls, each is replayed alone on random tensors of the same layout, and their sum is
-the fastest any step could be with these kernels. The last line, `step/floor X.XX`, is the
+Then the kernel floor (scripts/benchmarks/kernel_floor.py): one more titanlite step records its
+matmul and attention calls, each is replayed alone on random tensors of the same layout, and their
+sum is the fastest any step could be with these kernels. The last line, `step/floor X.XX`, is the
 titanlite median step over that floor (--no-floor skips it).
 
 The trainer's step is `loader.next_step()` + `Trainer.train_step` (token count, forward with the
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

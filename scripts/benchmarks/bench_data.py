@@ -2,8 +2,8 @@
 source, tokenize, write the shards) in tokens/s per worker beside tiktoken's own batch encoding
 of the same documents in one process and one thread, and 2 workers beside 1.
 
-    python scripts/bench_data.py                           # 80,000 documents cut from the stdlib
-    python scripts/bench_data.py --docs 200000 --repeats 3 --workers 1,2,4
+    python scripts/benchmarks/bench_data.py                   # 80,000 documents cut from the stdlib
+    python scripts/benchmarks/bench_data.py --docs 200000 --repeats 3 --workers 1,2,4
 
 The corpus is a JSONL file of `--docs` documents of about `--doc_chars` characters each, cut from
 the Python standard library's sources (what the default dataset trains on), so a build has many
@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from titanlite.config import ConfigError  # noqa: E402
 from titanlite.data.sources import local_source, stdlib_files  # noqa: E402
 from titanlite.data.store_build import build_store  # noqa: E402
@@ -41,7 +41,7 @@ def write_corpus(path: Path, docs: int, doc_chars: int, c4_fields: bool = False)
     """`docs` JSONL rows of ~doc_chars characters, cut at line ends from the stdlib's sources
     (cycled when the corpus asks for more text than the stdlib holds). `c4_fields`: each row
     also carries C4's "timestamp" and "url" (the file and offset it was cut from), the schema
-    torchtitan's c4 loaders read (scripts/bench_torchtitan.py)."""
+    torchtitan's c4 loaders read (scripts/benchmarks/bench_torchtitan.py)."""
     root, files = stdlib_files()
     written = 0
     with open(path, "w") as out:

@@ -1,5 +1,5 @@
-"""scripts/bench_data.py: the corpus it cuts, and one tiny timed round (figures not checked:
-they are the benchmark's to report)."""
+"""scripts/benchmarks/bench_data.py: the corpus it cuts, and one tiny timed round (figures not
+checked: they are the benchmark's to report)."""
 
 import json
 import re
@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
 import bench_data  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench_overhead.py: it runs both steps on the thread count it is given."""
+"""scripts/benchmarks/bench_overhead.py: it runs both steps on the thread count it is given."""
 
 import os
 import re
@@ -15,7 +15,7 @@ def test_threads_is_the_count_the_steps_run_on(tmp_path):
     threads = 1 if cpus_per_local_rank() > 1 else 2
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     cmd = [
-        sys.executable, str(REPO / "scripts" / "bench_overhead.py"),
+        sys.executable, str(REPO / "scripts" / "benchmarks" / "bench_overhead.py"),
         "--custom_model", "64,1,4", "--batch", "1", "--seq_len", "32", "--threads", str(threads),
         "--warmup", "0", "--steps", "1", "--rounds", "3", "--dump_folder", str(tmp_path),
     ]  # fmt: skip

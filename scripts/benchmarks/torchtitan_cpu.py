@@ -1,13 +1,14 @@
-"""Run torchtitan's trainer on a CPU (gloo), for scripts/bench_torchtitan.py's side-by-side runs.
+"""Run torchtitan's trainer on a CPU (gloo), for bench_torchtitan.py's side-by-side runs.
 
 torchtitan's files are not changed. This runs in torchtitan's venv (its package on PYTHONPATH),
 imports torchtitan, replaces at run time the few functions that fail on a CPU-only torch, then
 calls torchtitan's own entry point (torchtitan.train.main) with the remaining arguments:
 
     cd TORCHTITAN && PYTHONPATH=TORCHTITAN OMP_NUM_THREADS=1 \\
-        torchrun --standalone --nproc_per_node 2 /path/to/scripts/torchtitan_cpu.py \\
+        torchrun --standalone --nproc_per_node 2 /path/to/scripts/benchmarks/torchtitan_cpu.py \\
         --data-file corpus.jsonl -- --module llama3 --config llama3_debugmodel ...
-    python scripts/torchtitan_cpu.py --check     # apply the replacements, print the commit, exit
+    # apply the replacements, print the commit, exit:
+    python scripts/benchmarks/torchtitan_cpu.py --check
 
 Written against torchtitan b5bcd76c66d0acb1a08b176d9639425bc55e0b2a (2026-08-21, "Introduce a
 storage seam in BaseCheckpointManager (#4186)") and torch 2.13.0+cpu. Another commit gets a

@@ -64,12 +64,12 @@ class RanksTimedOut(subprocess.TimeoutExpired):
 def _start_forkserver(ctx) -> None:
     """Start this process's forkserver with PRELOAD imported, once. It imports with the sys.path
     of a fresh interpreter in the current folder (Python 3.11 does not pass on the parent's), and
-    it skips a preload that fails to import, so the tests folder and the repository go on its
+    it skips a preload that fails to import, so tests/support, tests and the repository go on its
     PYTHONPATH for its start only."""
     ctx.set_forkserver_preload(PRELOAD)
     here = Path(__file__).resolve().parent
     saved = os.environ.get("PYTHONPATH")
-    paths = [str(here), str(here.parent), *([saved] if saved else [])]
+    paths = [str(here), str(here.parent), str(here.parents[1]), *([saved] if saved else [])]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     try:
         multiprocessing.forkserver.ensure_running()

@@ -1,9 +1,9 @@
 """CPU attention under bf16: torch's bf16 flash backward against the same kernel's fp32 one.
 
-    python scripts/bench_cpu_attention.py [--threads 2] [--rounds 6]
+    python scripts/benchmarks/bench_cpu_attention.py [--threads 2] [--rounds 6]
 
 titanlite's `sdpa` runs the backward of bf16 attention in fp32 on CPU at head_dim <= 64
-(`fp32_backward` in titanlite/models/llama/model.py). This measures both sides of that choice:
+(`fp32_backward` in titanlite/models/kernels.py). This measures both sides of that choice:
 
 1. Per head_dim (16, 32, 64, 128; width 256, so 16 to 2 heads; batch 8 x 256 tokens, causal):
    the forward and the backward, median of 9 calls, of the bf16 kernel and of the fp32 kernel
@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from titanlite.models import kernels as model_kernels  # noqa: E402
 from titanlite.models.llama import model as llama  # noqa: E402
 from titanlite.models.llama.args import get_model_args  # noqa: E402
 
@@ -96,17 +97,17 @@ def step_ratio(rounds: int) -> float:
         opt.step()
         opt.zero_grad()
 
-    choice = llama.fp32_backward
+    choice = model_kernels.fp32_backward
     ratios = []
     for r in range(rounds):
         ms = {}
         for name, rule in (("bf16 kernel", lambda q: False), ("fp32 backward", choice)):
-            llama.fp32_backward = rule
+            model_kernels.fp32_backward = rule
             step()  # warm-up after the switch
             ms[name] = median_ms(step, calls=3)
         ratios.append(ms["fp32 backward"] / ms["bf16 kernel"])
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:.0f} ms" for k, v in ms.items()))
-    llama.fp32_backward = choice
+    model_kernels.fp32_backward = choice
     print("per-round ratios: " + ", ".join(f"{x:.3f}" for x in ratios))
     return statistics.median(ratios)
 

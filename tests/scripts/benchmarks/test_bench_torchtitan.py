@@ -1,6 +1,6 @@
-"""scripts/bench_torchtitan.py without torchtitan: bad inputs are one line and exit code 2, step
-lines of both frameworks parse, the window's tokens/s and the medians and ratios are right on a
-recorded sample; and scripts/torchtitan_cpu.py's CPU attention equals masked attention."""
+"""scripts/benchmarks/bench_torchtitan.py without torchtitan: bad inputs are one line and exit
+code 2, step lines of both frameworks parse, the window's tokens/s and the medians and ratios are
+right on a recorded sample; and torchtitan_cpu.py's CPU attention equals masked attention."""
 
 import json
 import sys
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
 import bench_data  # noqa: E402
 import bench_torchtitan as bt  # noqa: E402
 import torchtitan_cpu  # noqa: E402

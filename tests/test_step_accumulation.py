@@ -6,15 +6,11 @@ ranks and microbatches: tests/integration/test_accumulation.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import rel
 
 import train
 from titanlite.models.llama.args import ModelArgs
 from titanlite.models.llama.model import Transformer
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max abs difference relative to the reference tensor's largest magnitude."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def naive_batch(vocab: int, gen: torch.Generator):

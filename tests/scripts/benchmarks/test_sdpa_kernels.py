@@ -1,4 +1,4 @@
-"""scripts/sdpa_kernels.py without a GPU: one line, exit 0 (its checks need CUDA)."""
+"""scripts/benchmarks/sdpa_kernels.py without a GPU: one line, exit 0 (its checks need CUDA)."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ from conftest import REPO
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "sdpa_kernels.py")],
+        [sys.executable, str(REPO / "scripts" / "benchmarks" / "sdpa_kernels.py")],
         capture_output=True, text=True, env={"CUDA_VISIBLE_DEVICES": "", "PATH": ""},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
