@@ -28,7 +28,12 @@ from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
 from titanlite.checkpoint.seed import write_seed_checkpoint
 from titanlite.checks import check_options, check_single_process
 from titanlite.config import ConfigError, JobConfig
-from titanlite.config_parse import dump_toml, parse_args
+from titanlite.config_parse import (
+    QUICK_START_NOTE,
+    dump_toml,
+    parse_args,
+    with_quick_start_config,
+)
 from titanlite.data.loader import build_train_loader, build_validation_loader
 from titanlite.distributed import (
     CollectiveTimeouts,
@@ -439,12 +444,15 @@ def start_process(cfg: JobConfig):
 
 def main(argv=None) -> int:
     try:
-        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        argv, quick_start = with_quick_start_config(sys.argv[1:] if argv is None else argv)
+        cfg = parse_args(argv)
         check_options(cfg)  # before the process group: a mistake costs no start-up
         check_single_process(cfg)
     except ConfigError as e:
         say_error(e)
         return 2
+    if quick_start and os.environ.get("RANK", "0") == "0":
+        print(QUICK_START_NOTE, flush=True)
     if cfg.comm.mode == "fake_backend" or cfg.checkpoint.create_seed_checkpoint:
         init_logger(0, 0)
         job = dry_run if cfg.comm.mode == "fake_backend" else write_seed_checkpoint

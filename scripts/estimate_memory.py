@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlite.checks import check_options  # noqa: E402
 from titanlite.config import ConfigError  # noqa: E402
-from titanlite.config_parse import parse_args  # noqa: E402
+from titanlite.config_parse import exit_on_help, parse_args  # noqa: E402
 from titanlite.memory_estimate import GIB, estimate, estimate_stages  # noqa: E402
 from titanlite.plan.shape import setup_from_config  # noqa: E402
 
@@ -127,6 +127,7 @@ def print_stages(setup):
 
 
 def main(argv: list[str]) -> int:
+    exit_on_help(argv, __doc__)
     try:
         extra, rest = split_extra(argv)
         cfg = parse_args(rest)

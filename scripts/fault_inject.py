@@ -46,6 +46,9 @@ def inject(how: str, step: int, dump: Path):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     how, step, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         inject(how, step, Path(parse_args(argv).job.dump_folder))

@@ -2,7 +2,8 @@
 
     python scripts/prepare_data.py --workers 16 --out /data/c4_llama3 \\
         --training.dataset c4 --model.tokenizer_path tokenizer.model
-    python train.py --training.dataset_path /data/c4_llama3 --model.tokenizer_path tokenizer.model
+    python train.py --job.config_file llama_8b.toml --training.dataset_path /data/c4_llama3 \\
+        --model.tokenizer_path tokenizer.model
 
 Takes train.py's options (only model.* tokenizer fields, training.dataset* (with
 training.dataset_max_bad_rows bad rows are skipped, their count kept in the store's manifest),
@@ -110,7 +111,9 @@ def _main(argv: list[str]) -> int:
     # Imported here, not above: each spawned worker re-imports this script, and the option
     # checks import torch (~2.5 s of CPU and ~250 MB per worker) that tokenizing never uses.
     from titanlite.checks import check_options, check_writable
-    from titanlite.config_parse import parse_args
+    from titanlite.config_parse import exit_on_help, parse_args
+
+    exit_on_help(argv, __doc__)
 
     ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     ours.add_argument("--workers", type=int, default=os.cpu_count() or 1)

@@ -263,6 +263,30 @@ def test_dataloader_mistakes_are_one_line(argv, expected):
     assert expected in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize(
+    "argv, added",
+    [
+        ([], True),
+        (["--training.steps", "3"], True),
+        (["--job.config_file", "llama_8b.toml"], False),
+        (["--job.config-file=llama_8b.toml"], False),  # torchtitan's spelling
+        (["--job.config_file="], False),  # asks for the defaults alone
+    ],
+)
+def test_a_bare_train_py_runs_the_quick_start(argv, added):
+    """train.py without a config file runs debug_model.toml (not torchtitan's defaults, ~21 GiB a
+    step); any spelling of --job.config_file is taken as given."""
+    full, quick_start = config_parse.with_quick_start_config(argv)
+    assert quick_start == added
+    cfg = parse_args(full)
+    if added:
+        assert cfg.job.config_file.endswith("train_configs/debug_model.toml")
+        assert (cfg.model.vocab_limit, cfg.training.seq_len) == (2048, 256)
+        assert cfg.training.steps == (3 if argv else 100)
+    else:
+        assert full == argv
+
+
 def test_parsing_is_a_leaf_that_loads_nothing_of_titanlite_but_the_config():
     """A fresh interpreter: importing the parser, then parsing a TOML with command-line options,
     loads no titanlite module but the config (and so neither torch nor the model)."""

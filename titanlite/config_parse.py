@@ -265,7 +265,8 @@ def format_help() -> str:
     lines = [
         "usage: python train.py [--job.config_file FILE] [--section.key VALUE ...]",
         "",
-        "Precedence: defaults < TOML file (--job.config_file) < command line.",
+        "Precedence: defaults < TOML file (--job.config_file) < command line. Without",
+        f"--job.config_file, train.py runs {QUICK_START_CONFIG} (--job.config_file '' runs none).",
         "Options: --section.key VALUE or --section.key=VALUE. Booleans: --section.key,",
         "--no-section.key, --section.key=true|false. Lists: comma-separated (a,b,c).",
     ]
@@ -288,3 +289,28 @@ def dump_toml(config: JobConfig, path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as fh:
         tomli_w.dump(config.to_dict(), fh)
+
+
+QUICK_START_CONFIG = "debug_model.toml"
+QUICK_START_NOTE = (
+    f"titanlite: no --job.config_file given, so the quick start's {QUICK_START_CONFIG} runs "
+    "(--job.config_file '' for torchtitan's defaults alone)"
+)
+
+
+def with_quick_start_config(argv: list[str]) -> tuple[list[str], bool]:
+    """train.py's command line, with `--job.config_file debug_model.toml` first when it names no
+    config file (in any spelling), and whether it was added: a bare `python train.py` runs the
+    quick start's job, not torchtitan's defaults (100k vocabulary, 8 x 2,048 tokens: ~21 GiB).
+    `--job.config_file ''` still asks for the defaults alone."""
+    if "job.config_file" in _parse_cli(argv):
+        return argv, False
+    return ["--job.config_file", QUICK_START_CONFIG, *argv], True
+
+
+def exit_on_help(argv: list[str], usage: str) -> None:
+    """For a script that takes train.py's options beside its own: on -h or --help print its own
+    usage (its docstring) and where train.py's options are listed, then exit."""
+    if "-h" in argv or "--help" in argv:
+        print(f"{usage.strip()}\n\ntrain.py's options (python train.py --help) are accepted too.")
+        raise SystemExit(0)

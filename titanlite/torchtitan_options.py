@@ -1,7 +1,11 @@
 """torchtitan's options (v0.2.2's JobConfig) that titanlite does not have, each with the reason
 and what to use instead: a torchtitan config or command line that names one stops with that,
 not with "unknown option". A name in no table here and not in JobConfig is a typo.
+
+`python -m titanlite.torchtitan_options --markdown` prints the table of docs/torchtitan.md.
 """
+
+import sys
 
 _NO_MOE = "titanlite has dense Llama models only (no mixture of experts)"
 _TORCHFT = (
@@ -15,6 +19,16 @@ _NO_VAL_WORKERS = (
 _MX = (
     "MX formats (MXFP8, Blackwell GPUs, torchao prototype) are not supported; "
     "float8 linears are: quantize.linear.float8.*"
+)
+
+# torchtitan v0.2.2 options that titanlite lacked once and has now (their help says what they do).
+ADDED = (
+    "checkpoint.enable_first_step_checkpoint",
+    "comm.init_timeout_seconds",
+    "comm.train_timeout_seconds",
+    "debug.deterministic_warn_only",
+    "parallelism.pipeline_parallel_schedule_csv",
+    "training.gc_freq",
 )
 
 # Out of scope here, for the reason given.
@@ -108,3 +122,21 @@ def explain(name: str) -> str | None:
     if name in NOT_YET:
         return f"a torchtitan option titanlite does not have yet: {NOT_YET[name]}"
     return None
+
+
+def markdown_table() -> str:
+    """The Markdown table of every torchtitan v0.2.2 option titanlite lacked, one row each."""
+    from titanlite.config_parse import OPTIONS  # here: config_parse imports this module
+
+    rows = {name: f"implemented. {OPTIONS[name].metadata['help']}" for name in ADDED}
+    rows |= {name: f"not here: {why}" for name, why in NOT_IN_TITANLITE.items()}
+    rows |= {name: f"not yet: {why}" for name, why in NOT_YET.items()}
+    lines = ["| torchtitan option | in titanlite |", "|---|---|"]
+    lines += [f"| `{name}` | {rows[name]} |" for name in sorted(rows)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m titanlite.torchtitan_options --markdown")
+    print(markdown_table())

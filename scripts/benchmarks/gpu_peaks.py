@@ -8,6 +8,7 @@ GEMMs at Llama shapes ([8192 tokens, in] x [in, out]); causal GQA attention (32 
 per token forward (the causal half), 2.5 times that backward.
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -47,6 +48,8 @@ def attention_tflops(s: int, hd: int) -> tuple[float, float]:
 
 
 def main() -> int:
+    help_only = argparse.RawDescriptionHelpFormatter  # --help prints the docstring; no options
+    argparse.ArgumentParser(description=__doc__, formatter_class=help_only).parse_args()
     if not torch.cuda.is_available():
         print("gpu_peaks: no CUDA GPU visible: nothing to measure.")
         return 0

@@ -12,6 +12,7 @@ Shapes: Llama 3 8B's heads (32 query, 8 kv, head dim 128), a 4,096-token chunk o
 Exit status 1 when a call titanlite makes reaches no fused kernel. Without a GPU: one line, exit 0.
 """
 
+import argparse
 import sys
 import time
 
@@ -49,6 +50,8 @@ def ms_per_call(fn, iters: int = 10) -> float:
 
 
 def main() -> int:
+    help_only = argparse.RawDescriptionHelpFormatter  # --help prints the docstring; no options
+    argparse.ArgumentParser(description=__doc__, formatter_class=help_only).parse_args()
     if not torch.cuda.is_available():
         print(f"sdpa_kernels: no CUDA GPU visible to torch {torch.__version__}: nothing to check.")
         return 0
