@@ -319,6 +319,7 @@ def build_train_loader(
     per_rank = num_microbatches * t.local_batch_size  # as resolve_global_batch split it
     assert global_batch_size == per_rank * dp_degree, (global_batch_size, per_rank, dp_degree)
     source = _source(t, val, "train")
+    logger.info("training data: 1 source, %s, weight 1", source.describe())
     order, num_samples, skipped = _train_order(
         source, tokenizer, t, val, dp_rank=dp_rank, dp_degree=dp_degree,
         global_batch_size=global_batch_size, seed=seed,

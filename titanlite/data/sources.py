@@ -71,6 +71,10 @@ class TextSource:
     stream: "DocumentStream | None" = field(default=None, repr=False)  # set when streaming
     # Map-style with training.dataset_max_bad_rows: the bad rows of the last documents() pass.
     skipped: SkippedRows | None = field(default=None, repr=False)
+    where: str = ""  # what the run reads, as its first log lines say it (`describe`)
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.where}" if self.where else self.name
 
     def documents(self) -> Iterator[str]:
         return self._documents()
@@ -116,11 +120,11 @@ class DocumentStream:
             raise error from e
 
 
-def _streamed(name: str, fingerprint: str, stream: DocumentStream) -> TextSource:
+def _streamed(name: str, fingerprint: str, stream: DocumentStream, where: str) -> TextSource:
     def documents():
         return stream.texts(stream.open(), SkippedRows(stream.max_bad_rows))
 
-    return TextSource(name, fingerprint, True, documents, stream)
+    return TextSource(name, fingerprint, True, documents, stream, where=where)
 
 
 def _hash(obj) -> str:
@@ -158,12 +162,15 @@ def python_stdlib_source() -> TextSource:
 
     rel = [[s[0][len(str(root)) + 1 :], *s[1:]] for s in _file_stats(files)]
     fingerprint = _hash({"kind": "python_stdlib", "version": sys.version, "files": rel})
-    return TextSource("python_stdlib", fingerprint, False, documents)
+    where = f"{len(files)} .py files of the Python standard library under {root}"
+    return TextSource("python_stdlib", fingerprint, False, documents, where=where)
 
 
 def expand_paths(dataset_path: str) -> list[Path]:
-    """Comma-separated files, globs or directories -> sorted, de-duplicated data files."""
-    files = set()
+    """Comma-separated files, globs or directories -> sorted data files. A file reached twice
+    (listed twice, matched by two patterns, or through a symlink) is refused by name: overlapping
+    globs list files twice by accident, and dropping the repeat would be a silent choice."""
+    seen: dict[Path, str] = {}
     for pattern in (p.strip() for p in dataset_path.split(",")):
         if not pattern:
             continue
@@ -174,8 +181,16 @@ def expand_paths(dataset_path: str) -> list[Path]:
             matched = glob.glob(pattern, recursive=True)
         if not matched:
             raise ConfigError(f"dataset_path {pattern!r} matches no data files")
-        files.update(Path(m).resolve() for m in matched)
-    return sorted(files)
+        for m in sorted(matched):
+            resolved = Path(m).resolve()
+            if resolved in seen:
+                raise ConfigError(
+                    f"dataset_path {dataset_path!r} reaches {resolved} twice (as "
+                    f"{seen[resolved]!r} and {m!r}); list each file once (a symlink counts as "
+                    "its target)"
+                )
+            seen[resolved] = m
+    return sorted(seen)
 
 
 def _builder(path: Path) -> str | None:
@@ -279,7 +294,7 @@ def local_source(
             partial(opener, files, builder, text_column), text_column, where, tuple(files),
             builder, max_bad_rows,
         )  # fmt: skip
-        return _streamed(name, fingerprint, stream)
+        return _streamed(name, fingerprint, stream, _files_line(files, builder) + ", streamed")
 
     def documents():
         if not max_bad_rows:
@@ -288,8 +303,13 @@ def local_source(
         source.skipped = SkippedRows(max_bad_rows)  # this pass's count, for the store's manifest
         return skip_bad(_row_dicts(files, builder, text_column), source.skipped)
 
-    source = TextSource(name, fingerprint, False, documents)
+    source = TextSource(name, fingerprint, False, documents, where=_files_line(files, builder))
     return source
+
+
+def _files_line(files: list[Path], builder: str) -> str:
+    shown = ", ".join(f.name for f in files[:3]) + (", ..." if len(files) > 3 else "")
+    return f"{len(files)} {builder} file{'s' * (len(files) != 1)} ({shown}) under {files[0].parent}"
 
 
 def _row_dicts(files: list[Path], builder: str, text_column: str) -> Iterator[dict]:
@@ -329,7 +349,8 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
 
     stream = DocumentStream(open_dataset, text_column, f"dataset {dataset!r} ({spec.path})")
     fingerprint = _hash({"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column})
-    return _streamed(f"{dataset}-{hub_split}", fingerprint, stream)
+    where = f"{spec.path} ({spec.name}, split {hub_split}) streamed from the Hugging Face Hub"
+    return _streamed(f"{dataset}-{hub_split}", fingerprint, stream, where)
 
 
 def prepared_source(path: str) -> TextSource:
@@ -341,9 +362,14 @@ def prepared_source(path: str) -> TextSource:
     def documents():
         raise ConfigError(f"{path} holds prepared tokens, not text: train from it directly")
 
-    return TextSource(
-        f"prepared-{manifest['source']}", manifest["source_fingerprint"], False, documents
+    where = (
+        f"token store {path} ({len(manifest['shards'])} shards, {manifest['num_docs']} documents, "
+        f"{manifest['num_tokens']} tokens)"
     )
+    return TextSource(
+        f"prepared-{manifest['source']}", manifest["source_fingerprint"], False, documents,
+        where=where,
+    )  # fmt: skip
 
 
 def build_source(
@@ -354,12 +380,21 @@ def build_source(
     streaming: bool = False,
     max_bad_rows: int = 0,
 ) -> TextSource:
-    """The source named by the training config. A `dataset_path` with the default dataset
-    (python_stdlib) means local files: the path is the more specific request. `streaming`
-    streams local files; hub datasets are always streamed. `max_bad_rows`: see
+    """The source named by the training config. A `dataset_path` wins over any dataset name,
+    the hub's included: the path is the more specific request (the shipped 8B/70B configs name
+    c4, and adding --training.dataset_path is how a user trains on their own files), and the
+    source's description (`describe`, the run's first log lines) says that the name is unused.
+    `streaming` streams local files; hub datasets are always streamed. `max_bad_rows`: see
     `local_source`."""
     if dataset not in DATASET_CHOICES:
         raise ConfigError(f"unknown training.dataset {dataset!r}; choices: {list(DATASET_CHOICES)}")
+    source = _build_source(dataset, dataset_path, text_column, split, streaming, max_bad_rows)
+    if dataset_path and dataset in HUB_DATASETS:
+        source.where += f" (training.dataset {dataset!r} unused: dataset_path wins)"
+    return source
+
+
+def _build_source(dataset, dataset_path, text_column, split, streaming, max_bad_rows):
     if is_store(dataset_path):  # prepared by scripts/prepare_data.py: wins over the dataset name
         if streaming:
             raise ConfigError(
@@ -367,10 +402,10 @@ def build_source(
                 "drop --training.dataset_streaming (it streams text files)"
             )
         return prepared_source(dataset_path)
-    if dataset in HUB_DATASETS:
-        return hub_source(dataset, text_column, split)
     if dataset_path:
         return local_source(dataset_path, text_column, streaming, max_bad_rows)
+    if dataset in HUB_DATASETS:
+        return hub_source(dataset, text_column, split)
     if dataset == "local":
         raise ConfigError("training.dataset 'local' needs training.dataset_path (files or globs)")
     return python_stdlib_source()
