@@ -27,9 +27,9 @@ from titanlite.config import ConfigError, Training  # noqa: E402
 from titanlite.data.cache import cache_dir  # noqa: E402
 from titanlite.data.sources import (  # noqa: E402
     HUB_DATASETS,
-    _pick_builder,
     build_source,
     expand_paths,
+    format_runs,
     local_source,
     open_local,
     stdlib_files,
@@ -45,14 +45,15 @@ def expected_documents(t: Training) -> int | None:
     bound: empty texts are skipped); None for a hub stream, or for files read row by row
     (training.dataset_max_bad_rows), which would be read twice."""
     if t.dataset_path:
-        files = expand_paths(t.dataset_path)
-        builder = _pick_builder(files)
-        if builder == "text":  # one document per file
-            return len(files)
-        if t.dataset_max_bad_rows:
+        runs = format_runs(expand_paths(t.dataset_path))
+        if t.dataset_max_bad_rows and any(b != "text" for b, _ in runs):
             return None
-        # The same map-style load the source itself reads (Arrow cache reused).
-        return len(open_local(files, builder, t.dataset_text_column))
+        # Text files hold one document each; the others: the same map-style load the source
+        # itself reads (Arrow cache reused).
+        return sum(
+            len(fs) if b == "text" else len(open_local(fs, b, t.dataset_text_column))
+            for b, fs in runs
+        )
     if t.dataset in HUB_DATASETS:
         return None
     return len(stdlib_files()[1])

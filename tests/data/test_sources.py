@@ -90,10 +90,6 @@ def test_bad_requests(tmp_path, write_jsonl):
     (tmp_path / "a.csv").write_text("text\nx\n")
     with pytest.raises(ValueError, match="supported extensions"):
         build_source("local", str(tmp_path / "a.csv"))
-    write_jsonl(tmp_path / "b.jsonl", DOCS)
-    (tmp_path / "c.txt").write_text("x")
-    with pytest.raises(ValueError, match="mixes file formats"):
-        build_source("local", f"{tmp_path / 'b.jsonl'},{tmp_path / 'c.txt'}")
 
 
 def test_an_unreachable_hub_is_one_line_with_the_way_out():

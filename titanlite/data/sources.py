@@ -24,6 +24,7 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,11 @@ STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests"}
     | {"idlelib", "lib2to3", "tkinter", "turtledemo"}
 )
-# File extension -> datasets builder. Compressed variants are handled by datasets itself.
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+# File extension -> datasets builder. Compressed variants are handled by datasets itself (.zst
+# through the zstandard package, a dependency). .arrow: Arrow stream files, as datasets saves.
+BUILDERS = {
+    ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"
+}  # fmt: skip
 COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 
 
@@ -200,18 +204,23 @@ def _builder(path: Path) -> str | None:
     return BUILDERS.get(Path(name).suffix.lower())
 
 
-def _pick_builder(files: list[Path]) -> str:
-    builders = {f: _builder(f) for f in files}
-    unknown = [str(f) for f, b in builders.items() if b is None]
+def format_runs(files: list[Path]) -> list[tuple[str, list[Path]]]:
+    """The files in their order, cut into runs of one format: datasets reads one format per
+    call, so a source of several formats is read run by run, in path order."""
+    builders = [_builder(f) for f in files]
+    unknown = [str(f) for f, b in zip(files, builders, strict=True) if b is None]
     if unknown:
         raise ConfigError(
             f"cannot read {unknown[:3]}: supported extensions are {sorted(BUILDERS)} "
             f"(optionally compressed {COMPRESSION})"
         )
-    kinds = set(builders.values())
-    if len(kinds) > 1:
-        raise ConfigError(f"dataset_path mixes file formats {sorted(kinds)}; use one format")
-    return kinds.pop()
+    runs: list[tuple[str, list[Path]]] = []
+    for f, b in zip(files, builders, strict=True):
+        if runs and runs[-1][0] == b:
+            runs[-1][1].append(f)
+        else:
+            runs.append((b, [f]))
+    return runs
 
 
 def _missing_column(where: str, text_column: str, columns: list) -> ConfigError:
@@ -277,33 +286,46 @@ def open_local(files: list[Path], builder: str, text_column: str, streaming: boo
 def local_source(
     dataset_path: str, text_column: str = "text", streaming: bool = False, max_bad_rows: int = 0
 ) -> TextSource:
-    """Local files: through `datasets`, or row by row when up to `max_bad_rows` bad rows may be
-    skipped (training.dataset_max_bad_rows)."""
+    """Local files, of one format or several (read run by run, `format_runs`): through
+    `datasets`, or row by row when up to `max_bad_rows` bad rows may be skipped
+    (training.dataset_max_bad_rows)."""
     files = expand_paths(dataset_path)
     check_files(files)
-    builder = _pick_builder(files)
+    runs = format_runs(files)
     name, where = f"local-{files[0].stem}", f"dataset_path {dataset_path!r}"
     # Rows read here and by datasets agree for good data, but a store of each keeps its own key.
     tolerant = {"bad_rows": "skipped"} if max_bad_rows else {}
+    kinds = sorted({b for b, _ in runs})
+    kind = kinds[0] if len(kinds) == 1 else kinds  # one format: the key it always had
     fingerprint = _hash(
-        {"kind": builder, "files": _file_stats(files), "column": text_column, **tolerant}
+        {"kind": kind, "files": _file_stats(files), "column": text_column, **tolerant}
     )
+    described = _files_line(files, "/".join(kinds))
     if streaming:
+        if len(runs) > 1:
+            raise ConfigError(
+                f"{where} mixes formats {kinds}, and a stream reads one: stream one format per "
+                "source, or drop --training.dataset_streaming"
+            )
+        builder = runs[0][0]
         opener = _row_stream if max_bad_rows else partial(open_local, streaming=True)
         stream = DocumentStream(
             partial(opener, files, builder, text_column), text_column, where, tuple(files),
             builder, max_bad_rows,
         )  # fmt: skip
-        return _streamed(name, fingerprint, stream, _files_line(files, builder) + ", streamed")
+        return _streamed(name, fingerprint, stream, described + ", streamed")
 
     def documents():
         if not max_bad_rows:
-            dataset = open_local(files, builder, text_column)
-            return _iter_texts(dataset, text_column, where, files, builder)
+            return chain.from_iterable(
+                _iter_texts(open_local(fs, b, text_column), text_column, where, fs, b)
+                for b, fs in runs
+            )
         source.skipped = SkippedRows(max_bad_rows)  # this pass's count, for the store's manifest
-        return skip_bad(_row_dicts(files, builder, text_column), source.skipped)
+        rows = chain.from_iterable(_row_dicts(fs, b, text_column) for b, fs in runs)
+        return skip_bad(rows, source.skipped)
 
-    source = TextSource(name, fingerprint, False, documents, where=_files_line(files, builder))
+    source = TextSource(name, fingerprint, False, documents, where=described)
     return source
 
 
