@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from titanlite.config import ConfigError, Training  # noqa: E402
 from titanlite.data.cache import cache_dir  # noqa: E402
+from titanlite.data.prepared import is_prepared  # noqa: E402
 from titanlite.data.sources import (  # noqa: E402
     HUB_DATASETS,
     build_source,
@@ -34,7 +35,7 @@ from titanlite.data.sources import (  # noqa: E402
     open_local,
     stdlib_files,
 )
-from titanlite.data.store import MANIFEST, TokenStore, is_store  # noqa: E402
+from titanlite.data.store import MANIFEST, TokenStore  # noqa: E402
 from titanlite.data.store_build import build_store  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 from titanlite.progress import Progress  # noqa: E402
@@ -54,7 +55,7 @@ def expected_documents(t: Training) -> int | None:
             len(fs) if b == "text" else len(open_local(fs, b, t.dataset_text_column))
             for b, fs in runs
         )
-    if t.dataset in HUB_DATASETS:
+    if t.dataset in HUB_DATASETS:  # and no dataset_path, which would win over it
         return None
     return len(stdlib_files()[1])
 
@@ -121,7 +122,7 @@ def _main(argv: list[str]) -> int:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
     cfg = parse_args(rest)
     t = cfg.training
-    if is_store(t.dataset_path):
+    if is_prepared(t.dataset_path):
         raise SystemExit(f"{t.dataset_path} is already prepared: train with it as dataset_path")
     tokenizer = build_tokenizer(cfg.model)
     source = build_source(

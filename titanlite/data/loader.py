@@ -32,8 +32,8 @@ from titanlite.data.cache import prepare_token_cache
 from titanlite.data.diagnose import check_skipped
 from titanlite.data.order import Microbatches, PermutedOrder, microbatch_rows
 from titanlite.data.packing import Microbatch, cached_samples, collate
+from titanlite.data.prepared import is_prepared, open_tokens
 from titanlite.data.sources import TextSource, build_source, local_source
-from titanlite.data.store import is_store, open_prepared
 from titanlite.data.stream import ShardStream, dp_degree_changed, shard_stream, validation_samples
 from titanlite.data.workers import WorkerSteps
 
@@ -249,8 +249,8 @@ def _cached_split(source, tokenizer, training: Training, validation: Validation,
     never sees it."""
     own_val = split == "validation" and validation.dataset_path
     path = validation.dataset_path if own_val else training.dataset_path
-    if is_store(path):  # prepared by scripts/prepare_data.py: no tokenizing at run time
-        cache = open_prepared(path, tokenizer)
+    if is_prepared(path):  # prepared beforehand: no tokenizing at run time
+        cache = open_tokens(path, tokenizer)
     else:
         t = training
         cache = prepare_token_cache(source, tokenizer, t.data_cache_dir, t.data_build_timeout_s)

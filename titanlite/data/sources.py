@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.config import ConfigError
+from titanlite.data import prepared
 from titanlite.data.diagnose import SkippedRows, check_files, data_error, read_rows, skip_bad
-from titanlite.data.store import MANIFEST, is_store
 
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests"}
@@ -376,22 +376,15 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
 
 
 def prepared_source(path: str) -> TextSource:
-    """A token store (scripts/prepare_data.py) that the loader reads directly, so it gives no
-    text. Its fingerprint is the one of the text it was prepared from: a checkpoint of a run on
-    either resumes on the other (the samples are the same)."""
-    manifest = json.loads((Path(path).expanduser() / MANIFEST).read_text())
+    """Prepared tokens (`titanlite.data.prepared`: token stores, Megatron .bin/.idx, several
+    back to back) that the loader reads directly, so it gives no text."""
+    fingerprint, where = prepared.describe(path)
 
     def documents():
         raise ConfigError(f"{path} holds prepared tokens, not text: train from it directly")
 
-    where = (
-        f"token store {path} ({len(manifest['shards'])} shards, {manifest['num_docs']} documents, "
-        f"{manifest['num_tokens']} tokens)"
-    )
-    return TextSource(
-        f"prepared-{manifest['source']}", manifest["source_fingerprint"], False, documents,
-        where=where,
-    )  # fmt: skip
+    name = "prepared-" + Path(prepared.parts(path)[0]).name
+    return TextSource(name, fingerprint, False, documents, where=where)
 
 
 def build_source(
@@ -417,7 +410,7 @@ def build_source(
 
 
 def _build_source(dataset, dataset_path, text_column, split, streaming, max_bad_rows):
-    if is_store(dataset_path):  # prepared by scripts/prepare_data.py: wins over the dataset name
+    if prepared.is_prepared(dataset_path):  # tokens, read directly: win over the dataset name
         if streaming:
             raise ConfigError(
                 f"{dataset_path} holds prepared tokens, read directly from disk at any position: "
