@@ -24,6 +24,7 @@ from titanlite.config import (
     valid_selective_ac_option,
 )
 from titanlite.data.cache import cache_root
+from titanlite.data.mixture import check_mixture
 from titanlite.data.prepared import is_prepared
 from titanlite.data.sources import HUB_DATASETS
 from titanlite.data.tokenizer import build_tokenizer
@@ -96,6 +97,7 @@ def _check_comm(comm: Comm) -> None:
 
 
 def _check_data(t: Training, val: Validation) -> None:
+    check_mixture(t, val)
     streams_local = t.dataset_streaming and t.dataset in ("python_stdlib", "local")
     if streams_local and not t.dataset_path:
         raise ConfigError(

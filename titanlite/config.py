@@ -111,6 +111,16 @@ class DataLoader:
 
 
 @dataclass
+class MixtureSource:
+    """One source of a weighted training mixture: a [[training.mixture]] table in TOML."""
+
+    name: str = opt("", "Its name in the log and metrics (tokens_seen/<name>)")
+    dataset_path: str = opt("", "Its files/globs or prepared tokens, as training.dataset_path")
+    weight: float = opt(0.0, "Its share of the training tokens (weights are normalized)")
+    text_column: str = opt("text", "Column holding its document text")
+
+
+@dataclass
 class Training:
     """Data, batch shape, step count and numerics."""
 
@@ -124,6 +134,14 @@ class Training:
         False, "Stream dataset_path's files, each dp rank reading its share (hub: always)"
     )
     dataset_text_column: str = opt("text", "Column holding the document text")
+    mixture: list[MixtureSource] = opt(
+        [], "Weighted sources ([[training.mixture]] tables; replace dataset and dataset_path)"
+    )
+    mixture_exhausted: str = opt(
+        "repeat",
+        "A mixture source that runs out: repeat it (a new epoch of it, logged) or stop the run",
+        choices=("repeat", "stop"),
+    )
     dataset_max_bad_rows: int = opt(
         0,
         "Bad rows of dataset_path (malformed JSON, no text) to skip, counted in the log, before "

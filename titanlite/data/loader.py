@@ -16,10 +16,14 @@ the samples are the good rows' whatever the parallelism: a corpus tokenized into
 how many (refused here if more than this run allows), a stream counts them in its position.
 """
 
+import hashlib
+import json
 import logging
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 from functools import partial
 from itertools import count, islice
 
@@ -30,6 +34,7 @@ from titanlite.config import ConfigError, DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import prepare_token_cache
 from titanlite.data.diagnose import check_skipped
+from titanlite.data.mixture import MixtureOrder, Part
 from titanlite.data.order import Microbatches, PermutedOrder, microbatch_rows
 from titanlite.data.packing import Microbatch, cached_samples, collate
 from titanlite.data.prepared import is_prepared, open_tokens
@@ -154,6 +159,7 @@ class TrainLoader:
         """Resume at `sd` (global); a sharded stream also needs its `stream_state_dict()`."""
         mine = self.state_dict()
         keys = ("seed", "seq_len", "global_batch_size", "packing", "num_samples", "shuffle")
+        keys += ("mixture",) * bool(mine["mixture"] or sd.get("mixture"))  # older: none saved
         bad = [
             f"{k}: checkpoint {sd.get(k)!r} vs now {mine[k]!r}"
             for k in keys
@@ -297,6 +303,33 @@ def _train_order(
     return PermutedOrder(get, lo, hi, seed), hi - lo, skipped
 
 
+def _mixture_order(t: Training, val: Validation, tokenizer, seed: int):
+    """(MixtureOrder, samples of all sources, fingerprint) of training.mixture; each source's
+    first log line names it, its weight and its files."""
+    total = sum(m.weight for m in t.mixture)
+    logger.info("training data: %d sources, blended by weight", len(t.mixture))
+    parts, base, prints = [], 0, []
+    for m in t.mixture:
+        mt = replace(
+            t, dataset="local", dataset_path=m.dataset_path, dataset_text_column=m.text_column
+        )
+        source = _source(mt, val, "train")
+        logger.info(
+            "training data: %s, weight %.4g: %s", m.name, m.weight / total, source.describe()
+        )
+        get, lo, hi, _ = _cached_split(source, tokenizer, mt, val, "train")
+        if hi <= lo:
+            raise ConfigError(f"mixture source {m.name!r} has no training samples: use more data")
+        # Each source its own permutation seed: two sources of one size do not move in step.
+        own_seed = seed + zlib.crc32(m.name.encode())
+        parts.append(Part(m.name, m.weight / total, PermutedOrder(get, lo, hi, own_seed), base))
+        base += hi
+        prints.append([m.name, m.weight / total, source.fingerprint])
+    fingerprint = hashlib.sha256(json.dumps(prints).encode()).hexdigest()[:16]
+    samples = sum(p.order.n for p in parts)
+    return MixtureOrder(parts, t.mixture_exhausted), samples, fingerprint
+
+
 def build_train_loader(
     training: Training,
     tokenizer,
@@ -318,20 +351,29 @@ def build_train_loader(
     _check_rank(dp_rank, dp_degree)
     per_rank = num_microbatches * t.local_batch_size  # as resolve_global_batch split it
     assert global_batch_size == per_rank * dp_degree, (global_batch_size, per_rank, dp_degree)
-    source = _source(t, val, "train")
-    logger.info("training data: 1 source, %s, weight 1", source.describe())
-    order, num_samples, skipped = _train_order(
-        source, tokenizer, t, val, dp_rank=dp_rank, dp_degree=dp_degree,
-        global_batch_size=global_batch_size, seed=seed,
-    )  # fmt: skip
+    if t.mixture:
+        order, num_samples, fingerprint = _mixture_order(t, val, tokenizer, seed)
+        streaming, skipped = False, 0
+    else:
+        source = _source(t, val, "train")
+        logger.info("training data: 1 source, %s, weight 1", source.describe())
+        order, num_samples, skipped = _train_order(
+            source, tokenizer, t, val, dp_rank=dp_rank, dp_degree=dp_degree,
+            global_batch_size=global_batch_size, seed=seed,
+        )  # fmt: skip
+        streaming, fingerprint = source.streaming, source.fingerprint
     order_state = dict(
         seed=seed,
         seq_len=t.seq_len,
         global_batch_size=global_batch_size,
         packing=t.packing,
         num_samples=num_samples,
-        shuffle="stream order" if source.streaming else shuffle.NAME,
-        fingerprint=source.fingerprint,
+        shuffle="stream order" if streaming else shuffle.NAME,
+        fingerprint=fingerprint,
+        # A changed mixture would continue another blend: refused on resume, as a new seed is.
+        mixture=",".join(
+            f"{m.name}={m.weight / sum(x.weight for x in t.mixture):.6g}" for m in t.mixture
+        ),
     )
     return TrainLoader(
         order,

@@ -1,0 +1,160 @@
+"""A weighted mixture of named sources ([[training.mixture]]), blended deterministically.
+
+Each source has its own training order (its samples under its own permutation each epoch,
+`PermutedOrder`). Position p of the blended order goes to the source furthest behind its share:
+k = argmax_k (w_k * (p + 1) - c_k), ties to the first, where c_k counts k's positions before p
+(Megatron-LM's blended-dataset rule). So after any n positions every source holds its share of
+them within one sequence, and, with packing, of the tokens (every sample holds seq_len targets;
+a mixture requires packing). The blend is a function of the position alone: every dp rank, at any
+dp degree and layout, computes the same sources for the global rows, and a resume at any step
+continues it. A source that runs out starts a new epoch of its own order (logged) or, with
+training.mixture_exhausted = "stop", stops the run at that point.
+
+Computing the blend at position p walks it from 0 (a few million positions per second); the
+walk is kept, so reading the steps in order costs one pass in all.
+"""
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from titanlite.config import ConfigError, Training, Validation
+
+logger = logging.getLogger(__name__)
+
+
+def check_mixture(t: Training, val: Validation) -> None:
+    """The mixture's own mistakes, each one line, before any work."""
+    if not t.mixture:
+        return
+    names = [m.name for m in t.mixture]
+    where = "training.mixture"
+    if not all(names):
+        raise ConfigError(f"every [[{where}]] needs a name (used in the log and the metrics)")
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(f"{where} names {twice} more than once: give each source its own name")
+    for m in t.mixture:
+        if not m.dataset_path:
+            raise ConfigError(f"{where} {m.name!r} needs a dataset_path (files, globs or tokens)")
+        if not m.weight > 0:  # NaN too
+            raise ConfigError(
+                f"{where} {m.name!r} has weight {m.weight}: weights must be > 0 (drop the source "
+                "to leave it out)"
+            )
+    if t.dataset_path or t.dataset not in ("python_stdlib", "local"):
+        raise ConfigError(
+            f"{where} replaces training.dataset and training.dataset_path: unset them"
+        )
+    if t.dataset_streaming or not t.packing:
+        raise ConfigError(
+            f"{where} needs training.packing and no dataset_streaming: its weights count tokens, "
+            "which packed samples of a token store hold seq_len each of"
+        )
+    if val.enable and not val.dataset_path:
+        raise ConfigError(
+            f"validation of a {where} needs validation.dataset_path (the loss of one blend of "
+            "held-out data is not defined per source yet)"
+        )
+
+
+@dataclass
+class Part:
+    """One source of the blend: its name, normalized weight, and its own order."""
+
+    name: str
+    weight: float
+    order: object  # PermutedOrder over this source's training samples
+    base: int  # where its samples start in the blend's sample numbering (step_samples)
+
+
+class MixtureOrder:
+    """Global positions -> the blended sources' samples; the interface of `PermutedOrder`."""
+
+    def __init__(self, parts: list[Part], exhausted: str = "repeat"):
+        self.parts, self.exhausted = parts, exhausted
+        self._weights = [p.weight for p in parts]
+        self._pos, self._counts = 0, [0] * len(parts)  # the walk so far
+        self._lock = threading.Lock()  # the loader's thread and the trainer's may both walk
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def counts_at(self, position: int) -> list[int]:
+        """How many of positions [0, position) each source holds."""
+        with self._lock:
+            self._walk_unlocked(position, position)
+            return list(self._counts)
+
+    def _walk(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            return self._walk_unlocked(start, stop)
+
+    def _walk_unlocked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index within that source's order) of positions [start, stop)."""
+        if start < self._pos:
+            self._pos, self._counts = 0, [0] * len(self.parts)
+        n = stop - self._pos
+        sources = np.empty(n, dtype=np.int64)
+        within = np.empty(n, dtype=np.int64)
+        w, c, p = self._weights, self._counts, self._pos
+        for i in range(n):
+            k = max(range(len(w)), key=lambda j: w[j] * (p + i + 1) - c[j])
+            sources[i], within[i] = k, c[k]
+            c[k] += 1
+        self._pos = stop
+        skip = start - (stop - n)
+        return sources[skip:], within[skip:]
+
+    def sources(self, start: int, stop: int) -> np.ndarray:
+        """The source index of each position in [start, stop)."""
+        return self._walk(start, stop)[0]
+
+    def _located(self, start: int, stop: int):
+        sources, within = self._walk(start, stop)
+        for k, part in enumerate(self.parts):
+            mine = within[sources == k]
+            if len(mine) == 0:
+                continue
+            n = part.order.n
+            if mine[-1] >= n and self.exhausted == "stop":
+                raise ConfigError(
+                    f"mixture source {part.name!r} ran out of its {n} samples at blend position "
+                    f"{start + int(np.nonzero(sources == k)[0][np.argmax(mine >= n)])} "
+                    "(training.mixture_exhausted = stop)"
+                )
+        return sources, within
+
+    def samples(self, start: int, stop: int) -> np.ndarray:
+        """Sample ids of positions [start, stop): each source's own, offset by its `base`."""
+        sources, within = self._located(start, stop)
+        out = np.empty(len(sources), dtype=np.int64)
+        for k, part in enumerate(self.parts):
+            at = sources == k
+            if at.any():
+                out[at] = part.base + part.order.samples_at(within[at])
+        return out
+
+    def take(self, start: int, stop: int) -> list[np.ndarray]:
+        sources, within = self._located(start, stop)
+        rows = [None] * len(sources)
+        for k, part in enumerate(self.parts):
+            at = np.nonzero(sources == k)[0]
+            if len(at) == 0:
+                continue
+            n, first, last = part.order.n, int(within[at[0]]), int(within[at[-1]])
+            for epoch in range(first // n + 1, last // n + 1):  # epochs begun in these rows
+                where = start + int(at[np.argmax(within[at] >= epoch * n)])
+                logger.info(
+                    "mixture source %r: epoch %d of its %d samples begins at blend position %d",
+                    part.name, epoch, n, where,
+                )  # fmt: skip
+            for i, sample in zip(at, part.order.samples_at(within[at]), strict=True):
+                rows[i] = part.order.get(int(sample))
+        return rows
