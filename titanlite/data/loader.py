@@ -159,11 +159,11 @@ class TrainLoader:
         """Resume at `sd` (global); a sharded stream also needs its `stream_state_dict()`."""
         mine = self.state_dict()
         keys = ("seed", "seq_len", "global_batch_size", "packing", "num_samples", "shuffle")
-        keys += ("mixture",) * bool(mine["mixture"] or sd.get("mixture"))  # older: none saved
+        keys += ("mixture",) * bool(mine.get("mixture") or sd.get("mixture"))
         bad = [
-            f"{k}: checkpoint {sd.get(k)!r} vs now {mine[k]!r}"
+            f"{k}: checkpoint {sd.get(k)!r} vs now {mine.get(k)!r}"
             for k in keys
-            if sd.get(k) != mine[k]
+            if sd.get(k) != mine.get(k)
         ]
         if bad:
             raise ConfigError(
@@ -370,11 +370,12 @@ def build_train_loader(
         num_samples=num_samples,
         shuffle="stream order" if streaming else shuffle.NAME,
         fingerprint=fingerprint,
-        # A changed mixture would continue another blend: refused on resume, as a new seed is.
-        mixture=",".join(
-            f"{m.name}={m.weight / sum(x.weight for x in t.mixture):.6g}" for m in t.mixture
-        ),
     )
+    if t.mixture:  # a changed mixture would continue another blend: refused on resume
+        weights = [m.weight / sum(x.weight for x in t.mixture) for m in t.mixture]
+        order_state["mixture"] = ",".join(
+            f"{m.name}={w:.6g}" for m, w in zip(t.mixture, weights, strict=True)
+        )
     return TrainLoader(
         order,
         _batch_maker(t, tokenizer, vocab_size),
