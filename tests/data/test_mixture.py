@@ -90,8 +90,12 @@ def test_the_loader_blends_by_weight_the_same_for_every_dp_split(
             for a, b in zip(ref, got, strict=True)
         )
     ld = train_loader(cfg, tok)
-    shares = np.bincount(ld.order.sources(0, 6 * G), minlength=3) / (6 * G)
-    assert np.abs(shares - list(WEIGHTS.values())).max() < 1 / (6 * G) + 1e-9
+    counts = np.bincount(ld.order.sources(0, 6 * G), minlength=3)
+    assert np.abs(counts / (6 * G) - list(WEIGHTS.values())).max() < 1 / (6 * G) + 1e-9
+    for _ in range(6):
+        ld.next_step()
+    seen = ld.source_tokens()  # the steps consumed, not the one the thread prefetched
+    assert seen == {f"tokens_seen/{n}": int(c) * SEQ for n, c in zip(WEIGHTS, counts, strict=True)}
     ld.close()
 
 

@@ -86,6 +86,7 @@ class TrainLoader:
         self._position = order.position() if self.sharded else None
         self._pin = dataloader.pin_memory and torch.cuda.is_available()
         self._step = 0  # the next global step the trainer will consume
+        self._tally = None  # a mixture's own walker for source_tokens()
         self._pending = None  # (step, Future) prepared by the background thread
         # Starts its thread on the first submit: none with workers.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="titanlite-data")
@@ -136,6 +137,17 @@ class TrainLoader:
         assert not self.sharded, "a stream's rows are per dp rank, with no global sample ids"
         g = self.global_batch_size
         return self.order.samples(step * g, (step + 1) * g).tolist()
+
+    def source_tokens(self) -> dict[str, int]:
+        """A mixture's tokens_seen/<name>: each source's tokens in the steps consumed so far. A
+        function of the step (the blend's), so every rank has it without a collective."""
+        if not isinstance(self.order, MixtureOrder):
+            return {}
+        if self._tally is None:
+            self._tally = self.order.walker()
+        counts = self._tally.counts_at(self._step * self.global_batch_size)
+        seq_len = self._order_state["seq_len"]  # packed: every sample holds seq_len targets
+        return {f"tokens_seen/{p.name}": c * seq_len for p, c in zip(self.order.parts, counts)}
 
     def skipped_rows(self) -> int | None:
         """Bad rows left out (None when training.dataset_max_bad_rows is off): the corpus's,

@@ -86,6 +86,11 @@ class MixtureOrder:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    def walker(self) -> "MixtureOrder":
+        """The same blend with a walk of its own (a reader at other positions than the loader's
+        thread does not send that one back to position 0)."""
+        return MixtureOrder(self.parts, self.exhausted)
+
     def counts_at(self, position: int) -> list[int]:
         """How many of positions [0, position) each source holds."""
         with self._lock:

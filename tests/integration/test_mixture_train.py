@@ -1,0 +1,42 @@
+"""train.py on a 3-source mixture, on 1 process and on FSDP 2 (real gloo ranks): every log
+step's tokens_seen/<name> hold each source's weight within one sequence, the same on both."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import REPO, TINY_TRAIN, read_jsonl, train_many
+
+pytestmark = pytest.mark.slow  # launches ranks
+
+WEIGHTS = {"web": 0.6, "code": 0.25, "math": 0.15}
+SEQ = 32
+
+
+def write_mixture(folder) -> str:
+    rng, tables = np.random.default_rng(0), []
+    for name, weight in WEIGHTS.items():
+        words = rng.choice(["alpha", "beta", name, "(", ")", "\n"], size=(40, 30))
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": " ".join(w)}) + "\n" for w in words))
+        tables.append(f'[[training.mixture]]\nname = "{name}"\ndataset_path = "{path}"\n'
+                      f"weight = {weight}\n")  # fmt: skip
+    debug = (REPO / "train_configs" / "debug_model.toml").read_text()
+    (folder / "mix.toml").write_text(debug + "\n" + "\n".join(tables))
+    return str(folder / "mix.toml")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_each_sources_tokens_hold_its_weight_within_one_sequence(tmp_path, nproc):
+    mix = write_mixture(tmp_path)
+    # debug_model.toml with the mixture's tables added
+    args = [mix if a == "debug_model.toml" else a for a in TINY_TRAIN]
+    args += ["--training.steps", "5", "--job.dump_folder", str(tmp_path / "run")]
+    train_many([args], nproc=nproc)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for r in rows:
+        seen = {n: r[f"tokens_seen/{n}"] for n in WEIGHTS}
+        assert sum(seen.values()) == r["tokens_seen"] == r["step"] * 8 * SEQ
+        for name, weight in WEIGHTS.items():
+            assert abs(seen[name] - weight * r["tokens_seen"]) < SEQ
