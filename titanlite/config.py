@@ -121,6 +121,14 @@ class MixtureSource:
 
 
 @dataclass
+class MixtureStage:
+    """A later mix of the same sources: a [[training.mixture_stage]] table in TOML."""
+
+    from_step: int = opt(0, "The first step (counted from 0) trained on this stage's weights")
+    weights: list[str] = opt([], "name=weight of each source; a source left out gets 0")
+
+
+@dataclass
 class Training:
     """Data, batch shape, step count and numerics."""
 
@@ -136,6 +144,9 @@ class Training:
     dataset_text_column: str = opt("text", "Column holding the document text")
     mixture: list[MixtureSource] = opt(
         [], "Weighted sources ([[training.mixture]] tables; replace dataset and dataset_path)"
+    )
+    mixture_stage: list[MixtureStage] = opt(
+        [], "Later mixes by step ([[training.mixture_stage]] tables: from_step, weights)"
     )
     mixture_exhausted: str = opt(
         "repeat",

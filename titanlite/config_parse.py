@@ -14,7 +14,7 @@ from typing import Any
 import tomli_w
 
 from titanlite.checks import check_options
-from titanlite.config import ConfigError, JobConfig, MixtureSource
+from titanlite.config import ConfigError, JobConfig, MixtureSource, MixtureStage
 from titanlite.torchtitan_options import explain
 
 if sys.version_info >= (3, 11):
@@ -46,7 +46,7 @@ OPTIONS = {f"{t}.{f.name}": f for t, cls in TABLES.items() for f in _option_fiel
 _TYPE_NAME = {str: "a string", int: "an int", float: "a float", bool: "a bool", list[str]: "a list"}
 _TYPE_LABELS = {str: "STR", int: "INT", float: "FLOAT", bool: "BOOL", list[str]: "LIST"}
 # Options that are lists of tables ([[section.key]] in TOML), by their entry's dataclass.
-TABLE_LISTS = {list[MixtureSource]: MixtureSource}
+TABLE_LISTS = {list[MixtureSource]: MixtureSource, list[MixtureStage]: MixtureStage}
 _TYPE_NAME |= {t: "[[tables]]" for t in TABLE_LISTS}
 _TYPE_LABELS |= {t: "[[TABLES]]" for t in TABLE_LISTS}
 

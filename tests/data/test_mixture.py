@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.data.conftest import ragged_docs
-from titanlite.config import ConfigError, MixtureSource, Training
+from titanlite.config import ConfigError, MixtureSource, MixtureStage, Training
 from titanlite.config_parse import parse_args
 from titanlite.data.mixture import MixtureOrder, Part
 from titanlite.data.order import PermutedOrder
@@ -108,7 +108,7 @@ def test_resume_at_another_dp_degree_continues_the_blend(
     first = rank_loaders(cfg, tok, 2, 2)
     next_global_steps(first, 3)
     sd = first[0].state_dict()
-    assert sd["mixture"] == "web=0.6,code=0.25,math=0.15"
+    assert sd["mixture"] == "from step 0: web=0.6,code=0.25,math=0.15"
     for ld in first:
         ld.close()
     resumed = rank_loaders(cfg, tok, resume_dp, 8 // (2 * resume_dp))
@@ -146,3 +146,70 @@ def test_bad_mixtures_are_one_line_before_any_work(tmp_path, tables, error):
         parse_args(["--job.config_file", str(path)])
     with pytest.raises(ConfigError, match=r"list of tables: write \[\[training.mixture\]\]"):
         parse_args(["--training.mixture", "x"])
+
+
+def test_a_stage_switches_exactly_and_holds_its_own_shares():
+    """From position 600 on, the anneal mix: each stage's shares within one sequence from its
+    own first position, and every source continues its own order across the switch."""
+    walker = blend([0.6, 0.25, 0.15])
+    walker.stages.append((600, [0.2, 0.0, 0.8]))
+    sources, within = walker._walk(0, 1500)
+    for lo, hi, weights in [(0, 600, [0.6, 0.25, 0.15]), (600, 1500, [0.2, 0.0, 0.8])]:
+        part = sources[lo:hi]
+        counts = np.stack([np.cumsum(part == k) for k in range(3)], axis=1)
+        expected = np.arange(1, hi - lo + 1)[:, None] * np.array(weights)[None, :]
+        assert np.abs(counts - expected).max() < 1
+    for k in range(3):
+        assert np.array_equal(within[sources == k], np.arange((sources == k).sum()))
+
+
+def stage_cfg(sources, tmp_path, from_step=3):
+    cfg = mcfg(sources, tmp_path)
+    cfg.mixture_stage = [MixtureStage(from_step, ["web=0.2", "math=0.8"])]
+    return cfg
+
+
+@pytest.mark.parametrize("stop_at", [2, 4])
+def test_resume_across_the_stage_switch(
+    sources, tmp_path, tok, stop_at, rank_loaders, next_global_steps, global_steps, train_loader
+):
+    cfg = stage_cfg(sources, tmp_path)
+    ref = global_steps(cfg, tok, 1, 8, steps=6)
+    ld = train_loader(cfg, tok)
+    sources_by_step = ld.order.sources(0, 6 * G).reshape(6, G)
+    ld.close()
+    assert 1 not in sources_by_step[3:]  # code is off from step 3 on, exactly
+    assert (sources_by_step[2] == 1).any()
+    first = rank_loaders(cfg, tok, 2, 2)
+    next_global_steps(first, stop_at)
+    sd = first[0].state_dict()
+    for ld in first:
+        ld.close()
+    resumed = rank_loaders(cfg, tok, 4, 1)
+    for ld in resumed:
+        ld.load_state_dict(sd)
+    got = next_global_steps(resumed, 6 - stop_at)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(ref[stop_at:], got, strict=True))
+    for ld in resumed:
+        ld.close()
+    with pytest.raises(ConfigError, match="mixture: checkpoint"):
+        rank_loaders(stage_cfg(sources, tmp_path, 4), tok, 1, 8)[0].load_state_dict(sd)
+
+
+@pytest.mark.parametrize(
+    "stages, error",
+    [
+        ('from_step = 5\nweights = ["web=1", "wiki=1"]', r"names \['wiki'\], which no"),
+        ('from_step = 5\nweights = ["web:1"]', "'web:1' is not name=weight"),
+        ('from_step = 5\nweights = ["web=0"]', "weights must be >= 0 and not all 0"),
+        ('from_step = 0\nweights = ["web=1"]', "from_step 0 must be after the previous"),
+    ],
+)
+def test_bad_stages_are_one_line(tmp_path, stages, error):
+    path = tmp_path / "mix.toml"
+    path.write_text(
+        '[[training.mixture]]\nname = "web"\ndataset_path = "x"\nweight = 1\n'
+        f"[[training.mixture_stage]]\n{stages}\n"
+    )
+    with pytest.raises(ConfigError, match=error):
+        parse_args(["--job.config_file", str(path)])

@@ -34,7 +34,7 @@ from titanlite.config import ConfigError, DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import prepare_token_cache
 from titanlite.data.diagnose import check_skipped
-from titanlite.data.mixture import MixtureOrder, Part
+from titanlite.data.mixture import MixtureOrder, Part, stage_weights
 from titanlite.data.order import Microbatches, PermutedOrder, microbatch_rows
 from titanlite.data.packing import Microbatch, cached_samples, collate
 from titanlite.data.prepared import is_prepared, open_tokens
@@ -315,31 +315,36 @@ def _train_order(
     return PermutedOrder(get, lo, hi, seed), hi - lo, skipped
 
 
-def _mixture_order(t: Training, val: Validation, tokenizer, seed: int):
+def _mixture_order(t: Training, val: Validation, tokenizer, seed: int, global_batch_size: int):
     """(MixtureOrder, samples of all sources, fingerprint) of training.mixture; each source's
     first log line names it, its weight and its files."""
-    total = sum(m.weight for m in t.mixture)
+    (_, weights), *later = stage_weights(t)
     logger.info("training data: %d sources, blended by weight", len(t.mixture))
     parts, base, prints = [], 0, []
-    for m in t.mixture:
+    for m, weight in zip(t.mixture, weights, strict=True):
         mt = replace(
             t, dataset="local", dataset_path=m.dataset_path, dataset_text_column=m.text_column
         )
         source = _source(mt, val, "train")
-        logger.info(
-            "training data: %s, weight %.4g: %s", m.name, m.weight / total, source.describe()
-        )
+        logger.info("training data: %s, weight %.4g: %s", m.name, weight, source.describe())
         get, lo, hi, _ = _cached_split(source, tokenizer, mt, val, "train")
         if hi <= lo:
             raise ConfigError(f"mixture source {m.name!r} has no training samples: use more data")
         # Each source its own permutation seed: two sources of one size do not move in step.
         own_seed = seed + zlib.crc32(m.name.encode())
-        parts.append(Part(m.name, m.weight / total, PermutedOrder(get, lo, hi, own_seed), base))
+        parts.append(Part(m.name, weight, PermutedOrder(get, lo, hi, own_seed), base))
         base += hi
-        prints.append([m.name, m.weight / total, source.fingerprint])
+        prints.append([m.name, weight, source.fingerprint])
+    for step, stage in later:
+        logger.info("training data: from step %d, weights %s", step, _weights_text(t, stage))
+    stages = [(step * global_batch_size, stage) for step, stage in later]
     fingerprint = hashlib.sha256(json.dumps(prints).encode()).hexdigest()[:16]
     samples = sum(p.order.n for p in parts)
-    return MixtureOrder(parts, t.mixture_exhausted), samples, fingerprint
+    return MixtureOrder(parts, t.mixture_exhausted, stages), samples, fingerprint
+
+
+def _weights_text(t: Training, weights: list[float]) -> str:
+    return ",".join(f"{m.name}={w:.6g}" for m, w in zip(t.mixture, weights, strict=True))
 
 
 def build_train_loader(
@@ -364,7 +369,7 @@ def build_train_loader(
     per_rank = num_microbatches * t.local_batch_size  # as resolve_global_batch split it
     assert global_batch_size == per_rank * dp_degree, (global_batch_size, per_rank, dp_degree)
     if t.mixture:
-        order, num_samples, fingerprint = _mixture_order(t, val, tokenizer, seed)
+        order, num_samples, fingerprint = _mixture_order(t, val, tokenizer, seed, global_batch_size)
         streaming, skipped = False, 0
     else:
         source = _source(t, val, "train")
@@ -384,9 +389,8 @@ def build_train_loader(
         fingerprint=fingerprint,
     )
     if t.mixture:  # a changed mixture would continue another blend: refused on resume
-        weights = [m.weight / sum(x.weight for x in t.mixture) for m in t.mixture]
-        order_state["mixture"] = ",".join(
-            f"{m.name}={w:.6g}" for m, w in zip(t.mixture, weights, strict=True)
+        order_state["mixture"] = "; ".join(
+            f"from step {step}: {_weights_text(t, ws)}" for step, ws in stage_weights(t)
         )
     return TrainLoader(
         order,

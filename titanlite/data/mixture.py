@@ -53,11 +53,49 @@ def check_mixture(t: Training, val: Validation) -> None:
             f"{where} needs training.packing and no dataset_streaming: its weights count tokens, "
             "which packed samples of a token store hold seq_len each of"
         )
+    stage_weights(t)  # its own errors
     if val.enable and not val.dataset_path:
         raise ConfigError(
             f"validation of a {where} needs validation.dataset_path (the loss of one blend of "
             "held-out data is not defined per source yet)"
         )
+
+
+def _stage_weights(text: list[str], names: list[str], where: str) -> list[float]:
+    """["web=0.3", ...] -> a weight per source in `names` order (0 for one left out)."""
+    given = {}
+    for item in text:
+        name, eq, value = item.partition("=")
+        try:
+            given[name.strip()] = float(value) if eq else None
+        except ValueError:
+            given[name.strip()] = None
+        if given[name.strip()] is None:
+            raise ConfigError(f"{where}: {item!r} is not name=weight")
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ConfigError(f"{where} names {unknown}, which no [[training.mixture]] has")
+    weights = [given.get(n, 0.0) for n in names]
+    if not all(w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ConfigError(f"{where}: weights must be >= 0 and not all 0, got {weights}")
+    return weights
+
+
+def stage_weights(t: Training) -> list[tuple[int, list[float]]]:
+    """[(first step, normalized weight per source)]: the mixture's own, then each stage's."""
+    names = [m.name for m in t.mixture]
+    stages = [(0, [m.weight for m in t.mixture])]
+    for i, stage in enumerate(t.mixture_stage):
+        where = f"training.mixture_stage[{i}]"
+        if not t.mixture:
+            raise ConfigError(f"{where} needs the [[training.mixture]] sources it reweighs")
+        if stage.from_step <= stages[-1][0]:
+            raise ConfigError(
+                f"{where}.from_step {stage.from_step} must be after the previous stage's "
+                f"{stages[-1][0]} (stages in step order; the first mix starts at 0)"
+            )
+        stages.append((stage.from_step, _stage_weights(stage.weights, names, where)))
+    return [(step, [w / sum(ws) for w in ws]) for step, ws in stages]
 
 
 @dataclass
@@ -71,12 +109,16 @@ class Part:
 
 
 class MixtureOrder:
-    """Global positions -> the blended sources' samples; the interface of `PermutedOrder`."""
+    """Global positions -> the blended sources' samples; the interface of `PermutedOrder`.
 
-    def __init__(self, parts: list[Part], exhausted: str = "repeat"):
+    `stages`: [(first position, weight per source)] after the first mix (the parts' weights);
+    within a stage the rule counts from the stage's first position, so every stage holds its
+    own shares from its first step on, and each source continues its own order across them."""
+
+    def __init__(self, parts: list[Part], exhausted: str = "repeat", stages=()):
         self.parts, self.exhausted = parts, exhausted
-        self._weights = [p.weight for p in parts]
-        self._pos, self._counts = 0, [0] * len(parts)  # the walk so far
+        self.stages = [(0, [p.weight for p in parts]), *stages]
+        self._restart()
         self._lock = threading.Lock()  # the loader's thread and the trainer's may both walk
 
     def __getstate__(self) -> dict:
@@ -89,7 +131,7 @@ class MixtureOrder:
     def walker(self) -> "MixtureOrder":
         """The same blend with a walk of its own (a reader at other positions than the loader's
         thread does not send that one back to position 0)."""
-        return MixtureOrder(self.parts, self.exhausted)
+        return MixtureOrder(self.parts, self.exhausted, self.stages[1:])
 
     def counts_at(self, position: int) -> list[int]:
         """How many of positions [0, position) each source holds."""
@@ -101,21 +143,38 @@ class MixtureOrder:
         with self._lock:
             return self._walk_unlocked(start, stop)
 
+    def _restart(self) -> None:
+        self._pos, self._counts = 0, [0] * len(self.parts)  # the walk so far
+        self._stage_counts = [0] * len(self.parts)  # ... since its stage began
+
+    def _stage_at(self, p: int) -> tuple[int, list[float], int]:
+        """(first position, weights, first position of the next) of the stage holding p."""
+        k = max(i for i, (start, _) in enumerate(self.stages) if start <= p)
+        nxt = self.stages[k + 1][0] if k + 1 < len(self.stages) else None
+        return self.stages[k][0], self.stages[k][1], nxt
+
     def _walk_unlocked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within that source's order) of positions [start, stop)."""
         if start < self._pos:
-            self._pos, self._counts = 0, [0] * len(self.parts)
-        n = stop - self._pos
-        sources = np.empty(n, dtype=np.int64)
-        within = np.empty(n, dtype=np.int64)
-        w, c, p = self._weights, self._counts, self._pos
-        for i in range(n):
-            k = max(range(len(w)), key=lambda j: w[j] * (p + i + 1) - c[j])
-            sources[i], within[i] = k, c[k]
-            c[k] += 1
+            self._restart()
+        first = self._pos
+        sources = np.empty(stop - first, dtype=np.int64)
+        within = np.empty(stop - first, dtype=np.int64)
+        c, sc, at = self._counts, self._stage_counts, first
+        while at < stop:  # stage by stage
+            begin, w, end = self._stage_at(at)
+            if at == begin:
+                sc[:] = [0] * len(sc)
+            upto = stop if end is None else min(stop, end)
+            for p in range(at, upto):
+                q = p - begin + 1
+                k = max(range(len(w)), key=lambda j: w[j] * q - sc[j])
+                sources[p - first], within[p - first] = k, c[k]
+                c[k] += 1
+                sc[k] += 1
+            at = upto
         self._pos = stop
-        skip = start - (stop - n)
-        return sources[skip:], within[skip:]
+        return sources[start - first :], within[start - first :]
 
     def sources(self, start: int, stop: int) -> np.ndarray:
         """The source index of each position in [start, stop)."""
