@@ -109,11 +109,14 @@ def test_resume_at_another_dp_degree_continues_the_blend(
     next_global_steps(first, 3)
     sd = first[0].state_dict()
     assert sd["mixture"] == "from step 0: web=0.6,code=0.25,math=0.15"
+    walk = sd["mixture_walk"]  # the blend's counts at the step: a resume starts its walk there
+    assert walk["position"] == 3 * G and sum(walk["counts"]) == 3 * G
     for ld in first:
         ld.close()
     resumed = rank_loaders(cfg, tok, resume_dp, 8 // (2 * resume_dp))
     for ld in resumed:
         ld.load_state_dict(sd)
+        assert ld.order._pos == 3 * G  # not walked from 0
     got = next_global_steps(resumed, 2)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ref[3:], got, strict=True))
     other = mcfg([*sources[:2], MixtureSource("math", sources[2].dataset_path, 0.5)], tmp_path)

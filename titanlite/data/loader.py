@@ -143,9 +143,7 @@ class TrainLoader:
         function of the step (the blend's), so every rank has it without a collective."""
         if not isinstance(self.order, MixtureOrder):
             return {}
-        if self._tally is None:
-            self._tally = self.order.walker()
-        counts = self._tally.counts_at(self._step * self.global_batch_size)
+        counts = self._walker().counts_at(self._step * self.global_batch_size)
         seq_len = self._order_state["seq_len"]  # packed: every sample holds seq_len targets
         return {f"tokens_seen/{p.name}": c * seq_len for p, c in zip(self.order.parts, counts)}
 
@@ -158,7 +156,16 @@ class TrainLoader:
         return self._position["skipped_rows"]
 
     def state_dict(self) -> dict:
-        return {"step": self._step, **self._order_state}
+        sd = {"step": self._step, **self._order_state}
+        if isinstance(self.order, MixtureOrder):  # so a resume need not walk the blend from 0
+            sd["mixture_walk"] = self._walker().walk_state(self._step * self.global_batch_size)
+        return sd
+
+    def _walker(self) -> MixtureOrder:
+        """A mixture's own walker for the steps consumed (state_dict, source_tokens)."""
+        if self._tally is None:
+            self._tally = self.order.walker()
+        return self._tally
 
     def stream_state_dict(self) -> dict | None:
         """This dp rank's stream position after the last step consumed (TP peers of a dp rank
@@ -189,6 +196,9 @@ class TrainLoader:
             logger.warning("data fingerprint changed since the checkpoint; resuming anyway")
         if self.sharded:
             self._seek(stream, int(sd["step"]))
+        if walk := sd.get("mixture_walk"):  # the same blend (checked above): start there
+            self.order.start_from(walk)
+            self._walker().start_from(walk)
         self._step = int(sd["step"])
 
     def _seek(self, stream: dict | None, step: int) -> None:

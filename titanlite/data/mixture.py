@@ -118,7 +118,8 @@ class MixtureOrder:
     def __init__(self, parts: list[Part], exhausted: str = "repeat", stages=()):
         self.parts, self.exhausted = parts, exhausted
         self.stages = [(0, [p.weight for p in parts]), *stages]
-        self._restart()
+        self._base: dict | None = None  # a saved walk to restart from (`start_from`)
+        self._restart(0)
         self._lock = threading.Lock()  # the loader's thread and the trainer's may both walk
 
     def __getstate__(self) -> dict:
@@ -131,7 +132,22 @@ class MixtureOrder:
     def walker(self) -> "MixtureOrder":
         """The same blend with a walk of its own (a reader at other positions than the loader's
         thread does not send that one back to position 0)."""
-        return MixtureOrder(self.parts, self.exhausted, self.stages[1:])
+        other = MixtureOrder(self.parts, self.exhausted, self.stages[1:])
+        other._base = self._base
+        return other
+
+    def walk_state(self, position: int) -> dict:
+        """The walk at `position` (the loader saves it with the step): a resume starts its walk
+        there (`start_from`) instead of at 0."""
+        with self._lock:
+            self._walk_unlocked(position, position)
+            return dict(position=position, counts=list(self._counts),
+                        stage_counts=list(self._stage_counts))  # fmt: skip
+
+    def start_from(self, state: dict) -> None:
+        with self._lock:
+            self._base = {k: v if k == "position" else list(v) for k, v in state.items()}
+            self._restart(state["position"])
 
     def counts_at(self, position: int) -> list[int]:
         """How many of positions [0, position) each source holds."""
@@ -143,9 +159,13 @@ class MixtureOrder:
         with self._lock:
             return self._walk_unlocked(start, stop)
 
-    def _restart(self) -> None:
-        self._pos, self._counts = 0, [0] * len(self.parts)  # the walk so far
-        self._stage_counts = [0] * len(self.parts)  # ... since its stage began
+    def _restart(self, position: int) -> None:
+        """Back to the saved walk if it lies at or before `position`, else to the start."""
+        base = self._base if self._base and self._base["position"] <= position else None
+        self._pos = base["position"] if base else 0  # the walk so far
+        self._counts = list(base["counts"]) if base else [0] * len(self.parts)
+        # ... and since its stage began
+        self._stage_counts = list(base["stage_counts"]) if base else [0] * len(self.parts)
 
     def _stage_at(self, p: int) -> tuple[int, list[float], int]:
         """(first position, weights, first position of the next) of the stage holding p."""
@@ -156,25 +176,27 @@ class MixtureOrder:
     def _walk_unlocked(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, index within that source's order) of positions [start, stop)."""
         if start < self._pos:
-            self._restart()
-        first = self._pos
-        sources = np.empty(stop - first, dtype=np.int64)
-        within = np.empty(stop - first, dtype=np.int64)
-        c, sc, at = self._counts, self._stage_counts, first
+            self._restart(start)
+        sources, within = [], []  # of [start, stop) only: the walk to start keeps nothing
+        c, sc, at = self._counts, self._stage_counts, self._pos
         while at < stop:  # stage by stage
             begin, w, end = self._stage_at(at)
             if at == begin:
                 sc[:] = [0] * len(sc)
             upto = stop if end is None else min(stop, end)
             for p in range(at, upto):
-                q = p - begin + 1
-                k = max(range(len(w)), key=lambda j: w[j] * q - sc[j])
-                sources[p - first], within[p - first] = k, c[k]
+                q, k = p - begin + 1, 0
+                for j in range(1, len(w)):  # the first source furthest behind its share
+                    if w[j] * q - sc[j] > w[k] * q - sc[k]:
+                        k = j
+                if p >= start:
+                    sources.append(k)
+                    within.append(c[k])
                 c[k] += 1
                 sc[k] += 1
             at = upto
         self._pos = stop
-        return sources[start - first :], within[start - first :]
+        return np.array(sources, dtype=np.int64), np.array(within, dtype=np.int64)
 
     def sources(self, start: int, stop: int) -> np.ndarray:
         """The source index of each position in [start, stop)."""
