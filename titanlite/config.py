@@ -137,7 +137,9 @@ class Training:
         "Text source",
         choices=("python_stdlib", "c4", "c4_test", "fineweb", "local"),
     )
-    dataset_path: str = opt("", "Local files/globs (.json/.jsonl/.parquet/.txt), or a prepared dir")
+    dataset_path: str = opt(
+        "", "Files/globs (.jsonl/.json/.parquet/.txt/.arrow, .gz/.zst/.bz2), token stores, Megatron"
+    )
     dataset_streaming: bool = opt(
         False, "Stream dataset_path's files, each dp rank reading its share (hub: always)"
     )

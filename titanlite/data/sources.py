@@ -6,12 +6,14 @@ Three kinds of source:
   every machine that can run titanlite, so the default config trains out of the box, offline, with
   no download. Excluded: site-packages (third-party, varies per machine), the test suites,
   idlelib, lib2to3, tkinter and turtledemo (large, repetitive or GUI boilerplate).
-- local files (`dataset_path`): .json/.jsonl/.parquet/.txt files, globs or directories, read with
+- local files (`dataset_path`): .json/.jsonl/.parquet/.txt/.arrow files (optionally compressed),
+  globs or directories, several formats in one source read run by run in path order, with
   `datasets.load_dataset` (map-style, or streamed with `training.dataset_streaming`); the text
   lives in `dataset_text_column`. With `training.dataset_max_bad_rows` > 0 they are read row by
   row instead (`titanlite.data.diagnose`), so that a bad row is skipped, not its whole file.
 - hub datasets (`c4`, `c4_test`, `fineweb`): streamed with `datasets` (`streaming=True`), never
-  downloaded whole; the loader tokenizes them on the fly.
+  downloaded whole; the loader tokenizes them on the fly. A `dataset_path` wins over the name.
+Prepared tokens (token stores, Megatron-LM .bin/.idx) are `titanlite.data.prepared`'s.
 """
 
 import glob
