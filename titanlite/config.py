@@ -124,7 +124,7 @@ class MixtureSource:
 class MixtureStage:
     """A later mix of the same sources: a [[training.mixture_stage]] table in TOML."""
 
-    from_step: int = opt(0, "The first step (counted from 0) trained on this stage's weights")
+    from_step: int = opt(0, "The first step (numbered as in the log, from 1) on these weights")
     weights: list[str] = opt([], "name=weight of each source; a source left out gets 0")
 
 

@@ -108,7 +108,7 @@ def test_resume_at_another_dp_degree_continues_the_blend(
     first = rank_loaders(cfg, tok, 2, 2)
     next_global_steps(first, 3)
     sd = first[0].state_dict()
-    assert sd["mixture"] == "from step 0: web=0.6,code=0.25,math=0.15"
+    assert sd["mixture"] == "from step 1: web=0.6,code=0.25,math=0.15"
     walk = sd["mixture_walk"]  # the blend's counts at the step: a resume starts its walk there
     assert walk["position"] == 3 * G and sum(walk["counts"]) == 3 * G
     for ld in first:
@@ -166,7 +166,7 @@ def test_a_stage_switches_exactly_and_holds_its_own_shares():
         assert np.array_equal(within[sources == k], np.arange((sources == k).sum()))
 
 
-def stage_cfg(sources, tmp_path, from_step=3):
+def stage_cfg(sources, tmp_path, from_step=4):
     cfg = mcfg(sources, tmp_path)
     cfg.mixture_stage = [MixtureStage(from_step, ["web=0.2", "math=0.8"])]
     return cfg
@@ -181,7 +181,7 @@ def test_resume_across_the_stage_switch(
     ld = train_loader(cfg, tok)
     sources_by_step = ld.order.sources(0, 6 * G).reshape(6, G)
     ld.close()
-    assert 1 not in sources_by_step[3:]  # code is off from step 3 on, exactly
+    assert 1 not in sources_by_step[3:]  # code is off from (logged) step 4 on, exactly
     assert (sources_by_step[2] == 1).any()
     first = rank_loaders(cfg, tok, 2, 2)
     next_global_steps(first, stop_at)
@@ -196,7 +196,7 @@ def test_resume_across_the_stage_switch(
     for ld in resumed:
         ld.close()
     with pytest.raises(ConfigError, match="mixture: checkpoint"):
-        rank_loaders(stage_cfg(sources, tmp_path, 4), tok, 1, 8)[0].load_state_dict(sd)
+        rank_loaders(stage_cfg(sources, tmp_path, 5), tok, 1, 8)[0].load_state_dict(sd)
 
 
 @pytest.mark.parametrize(

@@ -40,3 +40,29 @@ def test_each_sources_tokens_hold_its_weight_within_one_sequence(tmp_path, nproc
         assert sum(seen.values()) == r["tokens_seen"] == r["step"] * 8 * SEQ
         for name, weight in WEIGHTS.items():
             assert abs(seen[name] - weight * r["tokens_seen"]) < SEQ
+
+
+def by_step(path, key):
+    return {r["step"]: r[key] for r in read_jsonl(path)}  # a redone step: its last record
+
+
+def test_a_resume_on_fewer_ranks_continues_the_blend_and_the_stage(tmp_path):
+    """FSDP 2 saves at step 3, one process resumes to step 6 across a stage switch at step 4:
+    every step trains on the samples of the uninterrupted FSDP 2 run, to its loss."""
+    mix = write_mixture(tmp_path)
+    with open(mix, "a") as f:
+        f.write('\n[[training.mixture_stage]]\nfrom_step = 4\nweights = ["web=0.1", "math=0.9"]\n')
+    base = [mix if a == "debug_model.toml" else a for a in TINY_TRAIN]
+    base += ["--checkpoint.enable", "--checkpoint.interval", "3", "--debug.log_sample_ids"]
+    base += ["--lr_scheduler.decay_ratio", "0"]  # a 3-step and a 6-step run: the same lrs
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    jobs = [[*base, "--training.steps", "6", "--job.dump_folder", str(full)],
+            [*base, "--training.steps", "3", "--job.dump_folder", str(cut)]]  # fmt: skip
+    train_many(jobs, nproc=2)
+    train_many([[*base, "--training.steps", "6", "--job.dump_folder", str(cut)]], nproc=1)
+    want, got = (by_step(d / "sample_ids.jsonl", "samples") for d in (full, cut))
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6] and got == want
+    losses, ref = (by_step(d / "metrics.jsonl", "loss") for d in (cut, full))
+    assert max(abs(losses[s] - ref[s]) / ref[s] for s in ref) <= 1e-4  # the reshard tolerance
+    code = by_step(full / "metrics.jsonl", "tokens_seen/code")
+    assert code[3] > code[2] and code[6] == code[4] == code[3]  # off from step 4, exactly

@@ -347,7 +347,7 @@ def _mixture_order(t: Training, val: Validation, tokenizer, seed: int, global_ba
         prints.append([m.name, weight, source.fingerprint])
     for step, stage in later:
         logger.info("training data: from step %d, weights %s", step, _weights_text(t, stage))
-    stages = [(step * global_batch_size, stage) for step, stage in later]
+    stages = [((step - 1) * global_batch_size, stage) for step, stage in later]  # logged steps: 1..
     fingerprint = hashlib.sha256(json.dumps(prints).encode()).hexdigest()[:16]
     samples = sum(p.order.n for p in parts)
     return MixtureOrder(parts, t.mixture_exhausted, stages), samples, fingerprint

@@ -84,7 +84,7 @@ def _stage_weights(text: list[str], names: list[str], where: str) -> list[float]
 def stage_weights(t: Training) -> list[tuple[int, list[float]]]:
     """[(first step, normalized weight per source)]: the mixture's own, then each stage's."""
     names = [m.name for m in t.mixture]
-    stages = [(0, [m.weight for m in t.mixture])]
+    stages = [(1, [m.weight for m in t.mixture])]  # steps as the log numbers them, from 1
     for i, stage in enumerate(t.mixture_stage):
         where = f"training.mixture_stage[{i}]"
         if not t.mixture:
@@ -92,7 +92,7 @@ def stage_weights(t: Training) -> list[tuple[int, list[float]]]:
         if stage.from_step <= stages[-1][0]:
             raise ConfigError(
                 f"{where}.from_step {stage.from_step} must be after the previous stage's "
-                f"{stages[-1][0]} (stages in step order; the first mix starts at 0)"
+                f"{stages[-1][0]} (stages in step order; the first mix starts at step 1)"
             )
         stages.append((stage.from_step, _stage_weights(stage.weights, names, where)))
     return [(step, [w / sum(ws) for w in ws]) for step, ws in stages]
