@@ -26,13 +26,16 @@ def write_mixture(folder) -> str:
     return str(folder / "mix.toml")
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_each_sources_tokens_hold_its_weight_within_one_sequence(tmp_path, nproc):
+@pytest.mark.parametrize("nproc, tp", [(1, 1), (2, 1), (4, 2)])  # 1 process, FSDP 2, FSDP 2 x TP 2
+def test_each_sources_tokens_hold_its_weight_within_one_sequence(tmp_path, nproc, tp):
     mix = write_mixture(tmp_path)
     # debug_model.toml with the mixture's tables added
     args = [mix if a == "debug_model.toml" else a for a in TINY_TRAIN]
     args += ["--training.steps", "5", "--job.dump_folder", str(tmp_path / "run")]
+    args += ["--parallelism.tensor_parallel_degree", str(tp), "--debug.log_sample_ids"]
     train_many([args], nproc=nproc)
+    samples = by_step(tmp_path / "run" / "sample_ids.jsonl", "samples")
+    assert samples == blend_samples(tmp_path)  # the same blend for every layout
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for r in rows:
@@ -40,6 +43,26 @@ def test_each_sources_tokens_hold_its_weight_within_one_sequence(tmp_path, nproc
         assert sum(seen.values()) == r["tokens_seen"] == r["step"] * 8 * SEQ
         for name, weight in WEIGHTS.items():
             assert abs(seen[name] - weight * r["tokens_seen"]) < SEQ
+
+
+def blend_samples(tmp_path) -> dict:
+    """Steps 1-5's sample ids of the blend, from a loader in this process (dp 1)."""
+    from titanlite.checks import resolve_global_batch
+    from titanlite.config_parse import parse_args
+    from titanlite.data.loader import build_train_loader
+    from titanlite.data.tokenizer import build_tokenizer
+
+    args = [tmp_path / "mix.toml" if a == "debug_model.toml" else a for a in TINY_TRAIN]
+    cfg = parse_args([str(a) for a in args])
+    g, n = resolve_global_batch(cfg.training, 1)
+    loader = build_train_loader(
+        cfg.training, build_tokenizer(cfg.model), dp_rank=0, dp_degree=1, global_batch_size=g,
+        num_microbatches=n, vocab_size=1 << 20, seed=cfg.debug.seed, validation=cfg.validation,
+    )  # fmt: skip
+    try:
+        return {k + 1: loader.step_samples(k) for k in range(5)}
+    finally:
+        loader.close()
 
 
 def by_step(path, key):
