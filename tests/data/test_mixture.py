@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.data.conftest import ragged_docs
-from titanlite.config import ConfigError, MixtureSource, MixtureStage, Training
+from titanlite.config import ConfigError, DataLoader, MixtureSource, MixtureStage, Training
 from titanlite.config_parse import parse_args
 from titanlite.data.mixture import MixtureOrder, Part
 from titanlite.data.order import PermutedOrder
@@ -216,3 +216,13 @@ def test_bad_stages_are_one_line(tmp_path, stages, error):
     )
     with pytest.raises(ConfigError, match=error):
         parse_args(["--job.config_file", str(path)])
+
+
+def test_worker_processes_make_the_same_blend(sources, tmp_path, tok, global_steps):
+    """training.dataloader.num_workers > 0: each worker walks the blend in its own copy."""
+    ref = global_steps(mcfg(sources, tmp_path), tok, 1, 4, steps=3)
+    cfg = mcfg(sources, tmp_path, dataloader=DataLoader(num_workers=2))
+    got = global_steps(cfg, tok, 1, 4, steps=3)
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ref, got, strict=True)
+    )
