@@ -12,6 +12,11 @@ training.data_cache_dir and validation.dataset_path matter) plus:
                 store goes to the token cache, where train.py with the same options finds it
                 (hub datasets are then left to be streamed at training time).
 
+  --shard i/n   tokenize only this machine's share of the store's shards (e.g. a SLURM array
+                task: --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT), beside --out on
+                storage every machine shares; then run the same command without --shard once:
+                it finds every shard done and publishes a store byte-identical to one machine's
+
 A killed run keeps its finished shards: rerun the same command to finish the rest.
 """
 
@@ -73,8 +78,20 @@ def _check_existing(out: Path, source, tokenizer) -> bool:
     return True
 
 
-def prepare(source, tokenizer, out: Path, workers: int, expected: int | None) -> None:
-    """Tokenize `source` into `out`; `expected`: its documents where known, for the time left."""
+def parse_shard(text: str) -> tuple[int, int] | None:
+    """--shard i/n (0 <= i < n) -> (i, n); '' -> None."""
+    if not text:
+        return None
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise SystemExit(f"--shard expects i/n with 0 <= i < n (e.g. 0/4), got {text!r}")
+    return int(i), int(n)
+
+
+def prepare(source, tokenizer, out: Path, workers: int, expected: int | None, shard=None) -> None:
+    """Tokenize `source` into `out`; `expected`: its documents where known, for the time left.
+    With `shard` (i, n): only this machine's share of the store's shards, published by a run
+    without --shard once every share is done."""
     if _check_existing(out, source, tokenizer):
         print(f"{source.name}: already prepared in {out}")
         return
@@ -88,8 +105,14 @@ def prepare(source, tokenizer, out: Path, workers: int, expected: int | None) ->
 
     print(f"{source.name}: tokenizing with {workers} workers into {out}", file=sys.stderr)
     start = time.perf_counter()
-    meta = build_store(source, tokenizer, out, workers, on_shard=on_shard)
+    meta = build_store(source, tokenizer, out, workers, on_shard=on_shard, shard=shard)
     progress.close()
+    if meta is None:
+        print(
+            f"{source.name}: share {shard[0]}/{shard[1]} tokenized beside {out}; when every "
+            "share is done, run once more without --shard to publish the store"
+        )
+        return
     seconds = time.perf_counter() - start
     kept = f"; {progress.kept:,.0f} documents kept from an interrupted run" if progress.kept else ""
     print(
@@ -117,7 +140,9 @@ def _main(argv: list[str]) -> int:
     ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     ours.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ours.add_argument("--out", default="")
+    ours.add_argument("--shard", default="", help="i/n: this machine's share (SLURM arrays)")
     args, rest = ours.parse_known_args(argv)
+    shard = parse_shard(args.shard)
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
     cfg = parse_args(rest)
@@ -137,7 +162,7 @@ def _main(argv: list[str]) -> int:
     # The store is built beside `out` and renamed into place.
     check_writable(f"{'--out' if args.out else 'the token cache'} {out}: its folder", out.parent)
     expected = expected_documents(t)
-    prepare(source, tokenizer, out, args.workers, expected)
+    prepare(source, tokenizer, out, args.workers, expected, shard)
     if cfg.validation.dataset_path:
         val = local_source(cfg.validation.dataset_path, t.dataset_text_column)
         val_out = cache_dir(val, tokenizer, t.data_cache_dir)
