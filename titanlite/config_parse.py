@@ -19,7 +19,7 @@ from typing import Any
 
 import tomli_w
 
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import ConfigError, JobConfig, MixtureSource, MixtureStage
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,6 +49,10 @@ TABLES = dict(_tables(JobConfig))
 OPTIONS = {f"{t}.{f.name}": f for t, cls in TABLES.items() for f in _option_fields(cls)}
 _TYPE_NAME = {str: "a string", int: "an int", float: "a float", bool: "a bool", list[str]: "a list"}
 _TYPE_LABELS = {str: "STR", int: "INT", float: "FLOAT", bool: "BOOL", list[str]: "LIST"}
+# Options that are lists of tables ([[section.key]] in TOML), by their entry's dataclass.
+TABLE_LISTS = {list[MixtureSource]: MixtureSource, list[MixtureStage]: MixtureStage}
+_TYPE_NAME |= {t: "[[tables]]" for t in TABLE_LISTS}
+_TYPE_LABELS |= {t: "[[TABLES]]" for t in TABLE_LISTS}
 
 
 # Options that earlier titanlite versions spelled otherwise (a run's saved config.toml may).
@@ -91,6 +95,8 @@ def _from_string(f: dataclasses.Field, text: str, where: str) -> Any:
         return text.lower() in ("true", "1")
     if f.type == list[str]:
         return [item.strip() for item in text.split(",") if item.strip()]
+    if f.type in TABLE_LISTS:
+        raise ConfigError(f"{where} is a list of tables: write [[{where[2:]}]] tables in the TOML")
     try:
         return f.type(text)
     except ValueError:
@@ -99,6 +105,8 @@ def _from_string(f: dataclasses.Field, text: str, where: str) -> Any:
 
 def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
     """Check a TOML value against the field's type; an int is accepted for a float."""
+    if f.type in TABLE_LISTS:
+        return _table_list(TABLE_LISTS[f.type], value, where)
     if f.type is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     elif f.type == list[str]:
@@ -110,9 +118,27 @@ def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
     return float(value) if f.type is float else value
 
 
+def _table_list(cls, value: Any, where: str) -> list:
+    """[[tables]] -> a list of `cls`, each key checked as an option of its own."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{where} expects [[tables]], got {value!r}")
+    known = {f.name: f for f in fields(cls)}
+    entries = []
+    for i, table in enumerate(value):
+        for key, item in table.items():
+            if key not in known:
+                hint = _suggest(key, list(known))
+                raise ConfigError(f"{where}[{i}]: unknown key {key!r}{hint}")
+            _check(known[key], _from_toml(known[key], item, f"{where}[{i}].{key}"), where)
+        entries.append(cls(**{k: _from_toml(known[k], v, where) for k, v in table.items()}))
+    return entries
+
+
 def _check(f: dataclasses.Field, value: Any, where: str) -> None:
     """Single-field checks: allowed choices (for every item of a list) and numeric range."""
     choices, ge, lt = f.metadata["choices"], f.metadata["ge"], f.metadata["lt"]
+    if f.type in TABLE_LISTS:
+        return  # each entry's keys were checked as it was read
     for item in value if isinstance(value, list) else [value]:
         if choices and item not in choices:
             raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {item!r}")
@@ -280,6 +306,11 @@ def format_help() -> str:
                 kind = f"LIST of {kind}"
             lines.append(f"  --{table}.{f.name} {kind}  (default: {default!r})")
             lines.append(f"        {f.metadata['help']}")
+            for entry in fields(TABLE_LISTS[f.type]) if f.type in TABLE_LISTS else ():
+                label = _TYPE_LABELS[entry.type]
+                lines.append(
+                    f"        [[{table}.{f.name}]] {entry.name} {label}: {entry.metadata['help']}"
+                )
     return "\n".join(lines)
 
 

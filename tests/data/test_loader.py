@@ -232,3 +232,13 @@ def test_step_samples_are_the_rows_every_dp_rank_trains_on(data, tmp_path, tok, 
     assert loaders[0].step_samples(2) != loaders[0].step_samples(1)
     for ld in loaders:
         ld.close()
+
+
+def test_the_first_log_line_names_the_source_its_files_and_weight(
+    data, tmp_path, tok, train_loader, caplog
+):
+    caplog.set_level("INFO", logger="titanlite.data.loader")
+    train_loader(tcfg(data, tmp_path, dataset="c4"), tok).close()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training data")]
+    assert "1 json file (docs.jsonl)" in line and line.endswith("weight 1")
+    assert "'c4' unused: dataset_path wins" in line

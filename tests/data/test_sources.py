@@ -90,10 +90,6 @@ def test_bad_requests(tmp_path, write_jsonl):
     (tmp_path / "a.csv").write_text("text\nx\n")
     with pytest.raises(ValueError, match="supported extensions"):
         build_source("local", str(tmp_path / "a.csv"))
-    write_jsonl(tmp_path / "b.jsonl", DOCS)
-    (tmp_path / "c.txt").write_text("x")
-    with pytest.raises(ValueError, match="mixes file formats"):
-        build_source("local", f"{tmp_path / 'b.jsonl'},{tmp_path / 'c.txt'}")
 
 
 def test_an_unreachable_hub_is_one_line_with_the_way_out():
@@ -101,3 +97,25 @@ def test_an_unreachable_hub_is_one_line_with_the_way_out():
     with pytest.raises(ConfigError, match=r"'c4_test' streams allenai/c4 .* cannot reach .*"
                        r"--training.dataset local --training.dataset_path"):  # fmt: skip
         next(iter(hub_source("c4_test").documents()))
+
+
+def test_a_path_wins_over_a_hub_name_and_says_so(tmp_path, write_jsonl, caplog):
+    """llama_8b.toml names c4: --training.dataset_path trains on the files, and the source's
+    description (the run's first log line) says the hub name is unused."""
+    path = write_jsonl(tmp_path / "mine.jsonl", DOCS)
+    src = build_source("c4", str(path))
+    assert not src.streaming and list(src.documents()) == DOCS
+    assert "1 json file (mine.jsonl)" in src.describe()
+    assert "training.dataset 'c4' unused: dataset_path wins" in src.describe()
+    assert "unused" not in build_source("local", str(path)).describe()
+
+
+def test_a_file_reached_twice_is_refused_by_name(tmp_path, write_jsonl):
+    a = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    (tmp_path / "link.jsonl").symlink_to(a)
+    with pytest.raises(ConfigError, match=r"reaches .*a.jsonl twice .*symlink"):
+        build_source("local", str(tmp_path / "*.jsonl"))
+    with pytest.raises(ConfigError, match="twice"):
+        build_source("local", f"{a},{a}")
+    with pytest.raises(ConfigError, match="twice"):
+        build_source("local", f"{tmp_path / 'a.*'},{tmp_path / '*.jsonl'}")

@@ -81,3 +81,19 @@ def test_prepared_dir_with_another_tokenizer_is_refused(store, tok, train_loader
 def test_streaming_a_prepared_dir_is_refused(store):
     with pytest.raises(ValueError, match="drop --training.dataset_streaming"):
         build_source("python_stdlib", str(store.path), streaming=True)
+
+
+def test_shares_built_apart_merge_into_the_same_bytes(build_tiny_store, data, tok, tmp_path, store):
+    """Three machines (--shard i/3) tokenize their shares beside `out`, none publishes; a run
+    without a share then tokenizes nothing and publishes the one-machine store, byte for byte."""
+    from titanlite.data.store_build import build_store
+
+    out, source = tmp_path / "sharded", build_source("local", str(data))
+    for i in range(3):
+        assert build_store(source, tok, out, docs_per_shard=7, shard=(i, 3)) is None
+        assert not out.exists()
+    reused = []
+    build_store(source, tok, out, docs_per_shard=7, on_shard=lambda d, t, r: reused.append(r))
+    assert reused and all(reused)  # every shard was a share's
+    same_shards(store.path, out)
+    assert (store.path / "manifest.json").read_bytes() == (out / "manifest.json").read_bytes()

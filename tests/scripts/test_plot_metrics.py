@@ -175,3 +175,14 @@ def test_against_tokens_seen_runs_of_two_batch_sizes_share_one_axis(tmp_path, ca
     assert plot.main([str(small), str(old), "-o", str(tmp_path / "x.png"), "--x", "tokens"]) == 2
     assert "old: no tokens_seen in its metrics" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_mixture_run_gets_a_tokens_per_source_panel(tmp_path):
+    seen = {"tokens_seen/web": 60.0, "tokens_seen/code": 25.0, "tokens_seen/math": 15.0}
+    run = write_run(
+        tmp_path / "mix", [record(s, **{k: v * s for k, v in seen.items()}) for s in (1, 2)]
+    )
+    fig = plot.build_figure({"mix": plot.load_run(run)})
+    assert plot.panel_titles(fig) == [*ALL_PANELS, "tokens per source"]
+    labels = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
+    assert labels == ["code", "math", "web"]

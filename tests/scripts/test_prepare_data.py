@@ -178,3 +178,25 @@ def test_a_worker_does_not_import_torch(script):
                           capture_output=True, text=True, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("shard", ["2/2", "a/b", "1"])
+def test_a_bad_shard_is_one_line(tmp_path, shard):
+    corpus = write_corpus(tmp_path / "c.jsonl", 10)
+    with pytest.raises(SystemExit, match="--shard expects i/n with 0 <= i < n"):
+        prepare_data.main(["--shard", shard, "--training.dataset_path", str(corpus), *TOKENIZER])
+
+
+@pytest.mark.slow  # four launches of the script
+def test_shares_on_two_machines_then_a_merge_write_the_one_machine_bytes(tmp_path):
+    """--shard 0/2 and 1/2 (as two SLURM array tasks would), then the same command without it."""
+    corpus = write_corpus(tmp_path / "c.jsonl", 9000)  # 3 shards
+    prepare(corpus, tmp_path / "one", 1)
+    cmd = prepare_cmd(corpus, tmp_path / "split", 1)
+    for share in ("0/2", "1/2"):
+        proc = subprocess.run([*cmd, "--shard", share], capture_output=True, text=True)
+        assert proc.returncode == 0 and f"share {share} tokenized" in proc.stdout, proc.stderr
+        assert not (tmp_path / "split").exists()
+    merged = prepare(corpus, tmp_path / "split", 1)
+    assert files(tmp_path / "split") == files(tmp_path / "one")
+    assert "9,000 documents kept from an interrupted run" in merged.stdout  # nothing re-tokenized

@@ -75,6 +75,7 @@ _FIX = {
         f"or let {MAX_BAD_ROWS} skip such rows"
     ),
     "parquet": f"; rewrite that file without the row, or let {MAX_BAD_ROWS} skip such rows",
+    "arrow": f"; rewrite that file without the row, or let {MAX_BAD_ROWS} skip such rows",
 }
 
 
@@ -202,4 +203,22 @@ def _text_rows(path: Path, text_column: str) -> Iterator[Row]:
         yield f.read(), None
 
 
-_READERS = {"json": _json_rows, "parquet": _parquet_rows, "text": _text_rows}
+def _arrow_rows(path: Path, text_column: str) -> Iterator[Row]:
+    """An Arrow stream file, as datasets writes one (`Dataset.save_to_disk`'s data files)."""
+    import pyarrow as pa  # datasets' dependency
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            reader = pa.ipc.open_stream(source)
+            texts = (t for batch in reader for t in batch.column(text_column).to_pylist())
+            yield from (
+                _text(t, text_column, f"{path}: row {i}", "null") for i, t in enumerate(texts)
+            )
+    except Exception as e:  # ArrowInvalid, KeyError (no such column), OSError
+        raise BadFile(
+            f"{path}: not a readable Arrow stream file with column {text_column!r} ({e}); "
+            "rewrite or remove that file"
+        ) from e
+
+
+_READERS = {"json": _json_rows, "parquet": _parquet_rows, "text": _text_rows, "arrow": _arrow_rows}

@@ -16,10 +16,14 @@ the samples are the good rows' whatever the parallelism: a corpus tokenized into
 how many (refused here if more than this run allows), a stream counts them in its position.
 """
 
+import hashlib
+import json
 import logging
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import replace
 from functools import partial
 from itertools import count, islice
 
@@ -30,10 +34,11 @@ from titanlite.config import ConfigError, DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import prepare_token_cache
 from titanlite.data.diagnose import check_skipped
+from titanlite.data.mixture import MixtureOrder, Part, stage_weights
 from titanlite.data.order import Microbatches, PermutedOrder, microbatch_rows
 from titanlite.data.packing import Microbatch, cached_samples, collate
+from titanlite.data.prepared import is_prepared, open_tokens
 from titanlite.data.sources import TextSource, build_source, local_source
-from titanlite.data.store import is_store, open_prepared
 from titanlite.data.stream import ShardStream, dp_degree_changed, shard_stream, validation_samples
 from titanlite.data.workers import WorkerSteps
 
@@ -81,6 +86,7 @@ class TrainLoader:
         self._position = order.position() if self.sharded else None
         self._pin = dataloader.pin_memory and torch.cuda.is_available()
         self._step = 0  # the next global step the trainer will consume
+        self._tally = None  # a mixture's own walker for source_tokens()
         self._pending = None  # (step, Future) prepared by the background thread
         # Starts its thread on the first submit: none with workers.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="titanlite-data")
@@ -132,6 +138,15 @@ class TrainLoader:
         g = self.global_batch_size
         return self.order.samples(step * g, (step + 1) * g).tolist()
 
+    def source_tokens(self) -> dict[str, int]:
+        """A mixture's tokens_seen/<name>: each source's tokens in the steps consumed so far. A
+        function of the step (the blend's), so every rank has it without a collective."""
+        if not isinstance(self.order, MixtureOrder):
+            return {}
+        counts = self._walker().counts_at(self._step * self.global_batch_size)
+        seq_len = self._order_state["seq_len"]  # packed: every sample holds seq_len targets
+        return {f"tokens_seen/{p.name}": c * seq_len for p, c in zip(self.order.parts, counts)}
+
     def skipped_rows(self) -> int | None:
         """Bad rows left out (None when training.dataset_max_bad_rows is off): the corpus's,
         counted when it was tokenized, or this rank's share of a stream's so far, as of the last
@@ -141,7 +156,16 @@ class TrainLoader:
         return self._position["skipped_rows"]
 
     def state_dict(self) -> dict:
-        return {"step": self._step, **self._order_state}
+        sd = {"step": self._step, **self._order_state}
+        if isinstance(self.order, MixtureOrder):  # so a resume need not walk the blend from 0
+            sd["mixture_walk"] = self._walker().walk_state(self._step * self.global_batch_size)
+        return sd
+
+    def _walker(self) -> MixtureOrder:
+        """A mixture's own walker for the steps consumed (state_dict, source_tokens)."""
+        if self._tally is None:
+            self._tally = self.order.walker()
+        return self._tally
 
     def stream_state_dict(self) -> dict | None:
         """This dp rank's stream position after the last step consumed (TP peers of a dp rank
@@ -154,10 +178,11 @@ class TrainLoader:
         """Resume at `sd` (global); a sharded stream also needs its `stream_state_dict()`."""
         mine = self.state_dict()
         keys = ("seed", "seq_len", "global_batch_size", "packing", "num_samples", "shuffle")
+        keys += ("mixture",) * bool(mine.get("mixture") or sd.get("mixture"))
         bad = [
-            f"{k}: checkpoint {sd.get(k)!r} vs now {mine[k]!r}"
+            f"{k}: checkpoint {sd.get(k)!r} vs now {mine.get(k)!r}"
             for k in keys
-            if sd.get(k) != mine[k]
+            if sd.get(k) != mine.get(k)
         ]
         if bad:
             raise ConfigError(
@@ -171,6 +196,9 @@ class TrainLoader:
             logger.warning("data fingerprint changed since the checkpoint; resuming anyway")
         if self.sharded:
             self._seek(stream, int(sd["step"]))
+        if walk := sd.get("mixture_walk"):  # the same blend (checked above): start there
+            self.order.start_from(walk)
+            self._walker().start_from(walk)
         self._step = int(sd["step"])
 
     def _seek(self, stream: dict | None, step: int) -> None:
@@ -249,8 +277,8 @@ def _cached_split(source, tokenizer, training: Training, validation: Validation,
     never sees it."""
     own_val = split == "validation" and validation.dataset_path
     path = validation.dataset_path if own_val else training.dataset_path
-    if is_store(path):  # prepared by scripts/prepare_data.py: no tokenizing at run time
-        cache = open_prepared(path, tokenizer)
+    if is_prepared(path):  # prepared beforehand: no tokenizing at run time
+        cache = open_tokens(path, tokenizer)
     else:
         t = training
         cache = prepare_token_cache(source, tokenizer, t.data_cache_dir, t.data_build_timeout_s)
@@ -297,6 +325,38 @@ def _train_order(
     return PermutedOrder(get, lo, hi, seed), hi - lo, skipped
 
 
+def _mixture_order(t: Training, val: Validation, tokenizer, seed: int, global_batch_size: int):
+    """(MixtureOrder, samples of all sources, fingerprint) of training.mixture; each source's
+    first log line names it, its weight and its files."""
+    (_, weights), *later = stage_weights(t)
+    logger.info("training data: %d sources, blended by weight", len(t.mixture))
+    parts, base, prints = [], 0, []
+    for m, weight in zip(t.mixture, weights, strict=True):
+        mt = replace(
+            t, dataset="local", dataset_path=m.dataset_path, dataset_text_column=m.text_column
+        )
+        source = _source(mt, val, "train")
+        logger.info("training data: %s, weight %.4g: %s", m.name, weight, source.describe())
+        get, lo, hi, _ = _cached_split(source, tokenizer, mt, val, "train")
+        if hi <= lo:
+            raise ConfigError(f"mixture source {m.name!r} has no training samples: use more data")
+        # Each source its own permutation seed: two sources of one size do not move in step.
+        own_seed = seed + zlib.crc32(m.name.encode())
+        parts.append(Part(m.name, weight, PermutedOrder(get, lo, hi, own_seed), base))
+        base += hi
+        prints.append([m.name, weight, source.fingerprint])
+    for step, stage in later:
+        logger.info("training data: from step %d, weights %s", step, _weights_text(t, stage))
+    stages = [((step - 1) * global_batch_size, stage) for step, stage in later]  # logged steps: 1..
+    fingerprint = hashlib.sha256(json.dumps(prints).encode()).hexdigest()[:16]
+    samples = sum(p.order.n for p in parts)
+    return MixtureOrder(parts, t.mixture_exhausted, stages), samples, fingerprint
+
+
+def _weights_text(t: Training, weights: list[float]) -> str:
+    return ",".join(f"{m.name}={w:.6g}" for m, w in zip(t.mixture, weights, strict=True))
+
+
 def build_train_loader(
     training: Training,
     tokenizer,
@@ -318,20 +378,30 @@ def build_train_loader(
     _check_rank(dp_rank, dp_degree)
     per_rank = num_microbatches * t.local_batch_size  # as resolve_global_batch split it
     assert global_batch_size == per_rank * dp_degree, (global_batch_size, per_rank, dp_degree)
-    source = _source(t, val, "train")
-    order, num_samples, skipped = _train_order(
-        source, tokenizer, t, val, dp_rank=dp_rank, dp_degree=dp_degree,
-        global_batch_size=global_batch_size, seed=seed,
-    )  # fmt: skip
+    if t.mixture:
+        order, num_samples, fingerprint = _mixture_order(t, val, tokenizer, seed, global_batch_size)
+        streaming, skipped = False, 0
+    else:
+        source = _source(t, val, "train")
+        logger.info("training data: 1 source, %s, weight 1", source.describe())
+        order, num_samples, skipped = _train_order(
+            source, tokenizer, t, val, dp_rank=dp_rank, dp_degree=dp_degree,
+            global_batch_size=global_batch_size, seed=seed,
+        )  # fmt: skip
+        streaming, fingerprint = source.streaming, source.fingerprint
     order_state = dict(
         seed=seed,
         seq_len=t.seq_len,
         global_batch_size=global_batch_size,
         packing=t.packing,
         num_samples=num_samples,
-        shuffle="stream order" if source.streaming else shuffle.NAME,
-        fingerprint=source.fingerprint,
+        shuffle="stream order" if streaming else shuffle.NAME,
+        fingerprint=fingerprint,
     )
+    if t.mixture:  # a changed mixture would continue another blend: refused on resume
+        order_state["mixture"] = "; ".join(
+            f"from step {step}: {_weights_text(t, ws)}" for step, ws in stage_weights(t)
+        )
     return TrainLoader(
         order,
         _batch_maker(t, tokenizer, vocab_size),

@@ -33,10 +33,13 @@ class PermutedOrder:
 
     def samples(self, start: int, stop: int) -> np.ndarray:
         """The cache's sample indices at positions [start, stop) of the data order."""
-        positions = np.arange(start, stop, dtype=np.int64)
+        return self.samples_at(np.arange(start, stop, dtype=np.int64))
+
+    def samples_at(self, positions: np.ndarray) -> np.ndarray:
+        """The cache's sample indices at these positions of the data order (ascending)."""
         epochs, within = np.divmod(positions, self.n)
         samples = np.empty_like(positions)
-        for epoch in np.unique(epochs):  # a batch spans at most two epochs
+        for epoch in np.unique(epochs):  # a step's rows span few epochs
             at = epochs == epoch
             samples[at] = shuffle.permutation(self.n, self.seed, int(epoch))(within[at])
         return self.lo + samples

@@ -6,12 +6,14 @@ Three kinds of source:
   every machine that can run titanlite, so the default config trains out of the box, offline, with
   no download. Excluded: site-packages (third-party, varies per machine), the test suites,
   idlelib, lib2to3, tkinter and turtledemo (large, repetitive or GUI boilerplate).
-- local files (`dataset_path`): .json/.jsonl/.parquet/.txt files, globs or directories, read with
+- local files (`dataset_path`): .json/.jsonl/.parquet/.txt/.arrow files (optionally compressed),
+  globs or directories, several formats in one source read run by run in path order, with
   `datasets.load_dataset` (map-style, or streamed with `training.dataset_streaming`); the text
   lives in `dataset_text_column`. With `training.dataset_max_bad_rows` > 0 they are read row by
   row instead (`titanlite.data.diagnose`), so that a bad row is skipped, not its whole file.
 - hub datasets (`c4`, `c4_test`, `fineweb`): streamed with `datasets` (`streaming=True`), never
-  downloaded whole; the loader tokenizes them on the fly.
+  downloaded whole; the loader tokenizes them on the fly. A `dataset_path` wins over the name.
+Prepared tokens (token stores, Megatron-LM .bin/.idx) are `titanlite.data.prepared`'s.
 """
 
 import glob
@@ -24,19 +26,23 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 from titanlite.config import ConfigError
+from titanlite.data import prepared
 from titanlite.data.diagnose import SkippedRows, check_files, data_error, read_rows, skip_bad
-from titanlite.data.store import MANIFEST, is_store
 
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests"}
     | {"idlelib", "lib2to3", "tkinter", "turtledemo"}
 )
-# File extension -> datasets builder. Compressed variants are handled by datasets itself.
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+# File extension -> datasets builder. Compressed variants are handled by datasets itself (.zst
+# through the zstandard package, a dependency). .arrow: Arrow stream files, as datasets saves.
+BUILDERS = {
+    ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"
+}  # fmt: skip
 COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 
 
@@ -71,6 +77,10 @@ class TextSource:
     stream: "DocumentStream | None" = field(default=None, repr=False)  # set when streaming
     # Map-style with training.dataset_max_bad_rows: the bad rows of the last documents() pass.
     skipped: SkippedRows | None = field(default=None, repr=False)
+    where: str = ""  # what the run reads, as its first log lines say it (`describe`)
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.where}" if self.where else self.name
 
     def documents(self) -> Iterator[str]:
         return self._documents()
@@ -116,11 +126,11 @@ class DocumentStream:
             raise error from e
 
 
-def _streamed(name: str, fingerprint: str, stream: DocumentStream) -> TextSource:
+def _streamed(name: str, fingerprint: str, stream: DocumentStream, where: str) -> TextSource:
     def documents():
         return stream.texts(stream.open(), SkippedRows(stream.max_bad_rows))
 
-    return TextSource(name, fingerprint, True, documents, stream)
+    return TextSource(name, fingerprint, True, documents, stream, where=where)
 
 
 def _hash(obj) -> str:
@@ -158,12 +168,15 @@ def python_stdlib_source() -> TextSource:
 
     rel = [[s[0][len(str(root)) + 1 :], *s[1:]] for s in _file_stats(files)]
     fingerprint = _hash({"kind": "python_stdlib", "version": sys.version, "files": rel})
-    return TextSource("python_stdlib", fingerprint, False, documents)
+    where = f"{len(files)} .py files of the Python standard library under {root}"
+    return TextSource("python_stdlib", fingerprint, False, documents, where=where)
 
 
 def expand_paths(dataset_path: str) -> list[Path]:
-    """Comma-separated files, globs or directories -> sorted, de-duplicated data files."""
-    files = set()
+    """Comma-separated files, globs or directories -> sorted data files. A file reached twice
+    (listed twice, matched by two patterns, or through a symlink) is refused by name: overlapping
+    globs list files twice by accident, and dropping the repeat would be a silent choice."""
+    seen: dict[Path, str] = {}
     for pattern in (p.strip() for p in dataset_path.split(",")):
         if not pattern:
             continue
@@ -174,8 +187,16 @@ def expand_paths(dataset_path: str) -> list[Path]:
             matched = glob.glob(pattern, recursive=True)
         if not matched:
             raise ConfigError(f"dataset_path {pattern!r} matches no data files")
-        files.update(Path(m).resolve() for m in matched)
-    return sorted(files)
+        for m in sorted(matched):
+            resolved = Path(m).resolve()
+            if resolved in seen:
+                raise ConfigError(
+                    f"dataset_path {dataset_path!r} reaches {resolved} twice (as "
+                    f"{seen[resolved]!r} and {m!r}); list each file once (a symlink counts as "
+                    "its target)"
+                )
+            seen[resolved] = m
+    return sorted(seen)
 
 
 def _builder(path: Path) -> str | None:
@@ -185,18 +206,23 @@ def _builder(path: Path) -> str | None:
     return BUILDERS.get(Path(name).suffix.lower())
 
 
-def _pick_builder(files: list[Path]) -> str:
-    builders = {f: _builder(f) for f in files}
-    unknown = [str(f) for f, b in builders.items() if b is None]
+def format_runs(files: list[Path]) -> list[tuple[str, list[Path]]]:
+    """The files in their order, cut into runs of one format: datasets reads one format per
+    call, so a source of several formats is read run by run, in path order."""
+    builders = [_builder(f) for f in files]
+    unknown = [str(f) for f, b in zip(files, builders, strict=True) if b is None]
     if unknown:
         raise ConfigError(
             f"cannot read {unknown[:3]}: supported extensions are {sorted(BUILDERS)} "
             f"(optionally compressed {COMPRESSION})"
         )
-    kinds = set(builders.values())
-    if len(kinds) > 1:
-        raise ConfigError(f"dataset_path mixes file formats {sorted(kinds)}; use one format")
-    return kinds.pop()
+    runs: list[tuple[str, list[Path]]] = []
+    for f, b in zip(files, builders, strict=True):
+        if runs and runs[-1][0] == b:
+            runs[-1][1].append(f)
+        else:
+            runs.append((b, [f]))
+    return runs
 
 
 def _missing_column(where: str, text_column: str, columns: list) -> ConfigError:
@@ -262,34 +288,52 @@ def open_local(files: list[Path], builder: str, text_column: str, streaming: boo
 def local_source(
     dataset_path: str, text_column: str = "text", streaming: bool = False, max_bad_rows: int = 0
 ) -> TextSource:
-    """Local files: through `datasets`, or row by row when up to `max_bad_rows` bad rows may be
-    skipped (training.dataset_max_bad_rows)."""
+    """Local files, of one format or several (read run by run, `format_runs`): through
+    `datasets`, or row by row when up to `max_bad_rows` bad rows may be skipped
+    (training.dataset_max_bad_rows)."""
     files = expand_paths(dataset_path)
     check_files(files)
-    builder = _pick_builder(files)
+    runs = format_runs(files)
     name, where = f"local-{files[0].stem}", f"dataset_path {dataset_path!r}"
     # Rows read here and by datasets agree for good data, but a store of each keeps its own key.
     tolerant = {"bad_rows": "skipped"} if max_bad_rows else {}
+    kinds = sorted({b for b, _ in runs})
+    kind = kinds[0] if len(kinds) == 1 else kinds  # one format: the key it always had
     fingerprint = _hash(
-        {"kind": builder, "files": _file_stats(files), "column": text_column, **tolerant}
+        {"kind": kind, "files": _file_stats(files), "column": text_column, **tolerant}
     )
+    described = _files_line(files, "/".join(kinds))
     if streaming:
+        if len(runs) > 1:
+            raise ConfigError(
+                f"{where} mixes formats {kinds}, and a stream reads one: stream one format per "
+                "source, or drop --training.dataset_streaming"
+            )
+        builder = runs[0][0]
         opener = _row_stream if max_bad_rows else partial(open_local, streaming=True)
         stream = DocumentStream(
             partial(opener, files, builder, text_column), text_column, where, tuple(files),
             builder, max_bad_rows,
         )  # fmt: skip
-        return _streamed(name, fingerprint, stream)
+        return _streamed(name, fingerprint, stream, described + ", streamed")
 
     def documents():
         if not max_bad_rows:
-            dataset = open_local(files, builder, text_column)
-            return _iter_texts(dataset, text_column, where, files, builder)
+            return chain.from_iterable(
+                _iter_texts(open_local(fs, b, text_column), text_column, where, fs, b)
+                for b, fs in runs
+            )
         source.skipped = SkippedRows(max_bad_rows)  # this pass's count, for the store's manifest
-        return skip_bad(_row_dicts(files, builder, text_column), source.skipped)
+        rows = chain.from_iterable(_row_dicts(fs, b, text_column) for b, fs in runs)
+        return skip_bad(rows, source.skipped)
 
-    source = TextSource(name, fingerprint, False, documents)
+    source = TextSource(name, fingerprint, False, documents, where=described)
     return source
+
+
+def _files_line(files: list[Path], builder: str) -> str:
+    shown = ", ".join(f.name for f in files[:3]) + (", ..." if len(files) > 3 else "")
+    return f"{len(files)} {builder} file{'s' * (len(files) != 1)} ({shown}) under {files[0].parent}"
 
 
 def _row_dicts(files: list[Path], builder: str, text_column: str) -> Iterator[dict]:
@@ -329,21 +373,20 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
 
     stream = DocumentStream(open_dataset, text_column, f"dataset {dataset!r} ({spec.path})")
     fingerprint = _hash({"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column})
-    return _streamed(f"{dataset}-{hub_split}", fingerprint, stream)
+    where = f"{spec.path} ({spec.name}, split {hub_split}) streamed from the Hugging Face Hub"
+    return _streamed(f"{dataset}-{hub_split}", fingerprint, stream, where)
 
 
 def prepared_source(path: str) -> TextSource:
-    """A token store (scripts/prepare_data.py) that the loader reads directly, so it gives no
-    text. Its fingerprint is the one of the text it was prepared from: a checkpoint of a run on
-    either resumes on the other (the samples are the same)."""
-    manifest = json.loads((Path(path).expanduser() / MANIFEST).read_text())
+    """Prepared tokens (`titanlite.data.prepared`: token stores, Megatron .bin/.idx, several
+    back to back) that the loader reads directly, so it gives no text."""
+    fingerprint, where = prepared.describe(path)
 
     def documents():
         raise ConfigError(f"{path} holds prepared tokens, not text: train from it directly")
 
-    return TextSource(
-        f"prepared-{manifest['source']}", manifest["source_fingerprint"], False, documents
-    )
+    name = "prepared-" + Path(prepared.parts(path)[0]).name
+    return TextSource(name, fingerprint, False, documents, where=where)
 
 
 def build_source(
@@ -354,23 +397,32 @@ def build_source(
     streaming: bool = False,
     max_bad_rows: int = 0,
 ) -> TextSource:
-    """The source named by the training config. A `dataset_path` with the default dataset
-    (python_stdlib) means local files: the path is the more specific request. `streaming`
-    streams local files; hub datasets are always streamed. `max_bad_rows`: see
+    """The source named by the training config. A `dataset_path` wins over any dataset name,
+    the hub's included: the path is the more specific request (the shipped 8B/70B configs name
+    c4, and adding --training.dataset_path is how a user trains on their own files), and the
+    source's description (`describe`, the run's first log lines) says that the name is unused.
+    `streaming` streams local files; hub datasets are always streamed. `max_bad_rows`: see
     `local_source`."""
     if dataset not in DATASET_CHOICES:
         raise ConfigError(f"unknown training.dataset {dataset!r}; choices: {list(DATASET_CHOICES)}")
-    if is_store(dataset_path):  # prepared by scripts/prepare_data.py: wins over the dataset name
+    source = _build_source(dataset, dataset_path, text_column, split, streaming, max_bad_rows)
+    if dataset_path and dataset in HUB_DATASETS:
+        source.where += f" (training.dataset {dataset!r} unused: dataset_path wins)"
+    return source
+
+
+def _build_source(dataset, dataset_path, text_column, split, streaming, max_bad_rows):
+    if prepared.is_prepared(dataset_path):  # tokens, read directly: win over the dataset name
         if streaming:
             raise ConfigError(
                 f"{dataset_path} holds prepared tokens, read directly from disk at any position: "
                 "drop --training.dataset_streaming (it streams text files)"
             )
         return prepared_source(dataset_path)
-    if dataset in HUB_DATASETS:
-        return hub_source(dataset, text_column, split)
     if dataset_path:
         return local_source(dataset_path, text_column, streaming, max_bad_rows)
+    if dataset in HUB_DATASETS:
+        return hub_source(dataset, text_column, split)
     if dataset == "local":
         raise ConfigError("training.dataset 'local' needs training.dataset_path (files or globs)")
     return python_stdlib_source()

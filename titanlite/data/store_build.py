@@ -96,9 +96,10 @@ def _tokenize(tasks, tokenizer, folder: Path, dtype, workers: int) -> Iterator[t
             yield f.result()
 
 
-def _open_partial(out: Path, header: dict) -> Path:
+def _open_partial(out: Path, header: dict, clean: bool = True) -> Path:
     """The build directory: an interrupted build of the same header is kept (its finished
-    shards are reused), anything else there is removed."""
+    shards are reused), anything else there is removed. `clean`: remove half-written files too
+    (not while other machines may be writing their shares of it)."""
     partial = out.parent / f".{out.name}.partial"
     marker = partial / "build.json"
     if partial.exists():
@@ -107,7 +108,7 @@ def _open_partial(out: Path, header: dict) -> Path:
             logger.info("removing %s: an interrupted build of other data", partial)
             shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
-    for stale in partial.glob("*.tmp-*"):  # a killed writer's half-written file
+    for stale in partial.glob("*.tmp-*") if clean else ():  # a killed writer's half-written file
         stale.unlink()
     marker.write_text(json.dumps(header, indent=1))
     return partial
@@ -140,9 +141,15 @@ def build_store(
     workers: int = 0,
     docs_per_shard: int = DOCS_PER_SHARD,
     on_shard: OnShard | None = None,
-) -> dict:
+    shard: tuple[int, int] | None = None,
+) -> dict | None:
     """Tokenize `source` into a store at `out` with `workers` processes (0: this process);
-    returns its manifest. Finished shards of an interrupted build of the same data are kept."""
+    returns its manifest. Finished shards of an interrupted build of the same data are kept.
+
+    `shard` = (i, n): tokenize only store shards k with k % n == i into the build directory
+    beside `out` (shared by n machines) and publish nothing (returns None); a build without
+    `shard` afterwards finds them finished and publishes the store. A shard's bytes depend only
+    on the corpus and k, so the store is byte-identical to one machine's."""
     dtype = token_dtype(tokenizer.n_words)
     header = {
         "version": STORE_FORMAT_VERSION,
@@ -152,12 +159,14 @@ def build_store(
         "dtype": dtype.name,
         "docs_per_shard": docs_per_shard,
     }
-    partial = _open_partial(out, header)
+    partial = _open_partial(out, header, clean=shard is None)
     report = on_shard or (lambda docs, tokens, reused: None)
     counts: dict[int, tuple[int, int]] = {}
 
     def todo():  # the shards not kept from an earlier run; runs in this (main) process
         for k, texts in _chunks(source, docs_per_shard):
+            if shard and k % shard[1] != shard[0]:
+                continue  # another machine's
             kept = finished_shard(partial, k, len(texts), dtype)
             if kept is None:
                 yield k, texts
@@ -168,6 +177,8 @@ def build_store(
     for k, docs, tokens in _tokenize(todo(), tokenizer, partial, dtype, workers):
         counts[k] = (docs, tokens)
         report(docs, tokens, False)
+    if shard:
+        return None
     if not counts:
         raise ConfigError(f"data source {source.name!r} produced no documents")
     shards = [

