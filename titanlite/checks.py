@@ -30,6 +30,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
 from titanlite.models.llama.pipeline_plan import PipelinePlan, canonical_schedule, plan_pipeline
+from titanlite.optim.groups import check_param_groups, parse_rule
 from titanlite.parallel_dims import ParallelDims
 
 
@@ -54,6 +55,7 @@ def check_options(cfg: JobConfig) -> None:
             f"integer N (checkpoint every Nth block), got {option!r}"
         )
     _check_early_step(cfg.optimizer, cfg.training, cfg.metrics)
+    _check_optimizer(cfg.optimizer)
     _check_wandb_installed(cfg.metrics)
     if cfg.parallelism.context_parallel_rotate_method == "alltoall":
         # torchtitan's ring exchange: the same bytes as one all-gather, sent in cp - 1 steps
@@ -145,6 +147,17 @@ def _check_early_step(optimizer: Optimizer, t: Training, metrics: Metrics) -> No
         )
 
 
+def _check_optimizer(optimizer: Optimizer) -> None:
+    """optimizer.groups' rules parse; Muon's distributed step is not one parameter at a time."""
+    rules = [parse_rule(text) for text in optimizer.groups]
+    muon = optimizer.name == "Muon" or any(r.settings.get("optimizer") == "Muon" for r in rules)
+    if muon and optimizer.early_step_in_backward:
+        raise ConfigError(
+            "--optimizer.early_step_in_backward steps each parameter alone, but Muon gathers its "
+            "matrices and deals them over the ranks in one step: turn one of them off"
+        )
+
+
 def _check_wandb_installed(metrics: Metrics) -> None:
     # Found at parse time, not when the first rank logs: that comes after the model is built.
     if metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
@@ -227,6 +240,8 @@ def check_job(cfg: JobConfig, world_size: int) -> JobLayout:
     global_batch_size, num_microbatches = resolve_global_batch(t, pd.dp_degree)
     check_early_step_batch(cfg.optimizer, t, pd.dp_degree)
     check_float8(cfg, pd)
+    with torch.device("meta"):  # the whole model, also under PP: a rule may select any part
+        check_param_groups(cfg.optimizer, get_family(cfg.model.name).model_cls(args))
     canonical_schedule(p.pipeline_parallel_schedule)  # a typo fails with PP off too
     pipeline = None
     if pd.pp_enabled:
