@@ -64,8 +64,10 @@ def _orthogonalize_whole(update: DTensor, ns: tuple, owners: dict) -> DTensor:
         dealt = owners.get(mesh, 0)
         owners[mesh] = dealt + 1
         owner = _coordinate(dealt % mesh.size(), mesh.shape)
-        mine = mesh.get_coordinate() == owner
-        out = _zeropower_via_newtonschulz(full, *ns) if mine else None
+        mine = list(mesh.get_coordinate()) == owner
+        # Contiguous: a tall matrix's result is a transposed view, which would be sent in its
+        # storage order.
+        out = _zeropower_via_newtonschulz(full, *ns).contiguous() if mine else None
         out = _broadcast(out, full.shape, owner, mesh)
     # Each rank cuts its own shard from the whole result: no communication.
     return distribute_tensor(out, mesh, placements, src_data_rank=None)
