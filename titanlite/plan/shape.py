@@ -23,6 +23,7 @@ class Model:
     args: object
     counts: dict
     shape: Shape
+    optimizer: str = "AdamW"  # optimizer.name: the states the estimator counts
 
 
 def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
@@ -47,7 +48,7 @@ def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
         flops_per_token=family.flops_per_token(counts["total"] - counts["embedding"], args, seq),
         seq_len=seq,
     )
-    return Model(cfg.model.name, args, counts, shape)
+    return Model(cfg.model.name, args, counts, shape, cfg.optimizer.name)
 
 
 def layout_of(cfg, world_size: int) -> Layout:
@@ -105,6 +106,7 @@ def setup_from_config(
         param_dtype=_compute_dtype_name(t.mixed_precision_param, device),
         loss_parallel=pd.loss_parallel(p), reshard_after_forward=p.fsdp_reshard_after_forward,
         cpu_offload=t.enable_cpu_offload, pp_rank=rank // (world_size // pd.pp), pp_options=p,
+        optimizer=cfg.optimizer.name,
     )  # fmt: skip
 
 
