@@ -47,6 +47,7 @@ def model_of(cfg, vocab_size: int, seq_len: int | None = None) -> Model:
         params_total=counts["total"],
         flops_per_token=family.flops_per_token(counts["total"] - counts["embedding"], args, seq),
         seq_len=seq,
+        optimizer=cfg.optimizer.name,
     )
     return Model(cfg.model.name, args, counts, shape, cfg.optimizer.name)
 
