@@ -1,9 +1,10 @@
 """Muon exact under every layout: real train.py runs (torchrun, gloo) with the Muon recipe and a
-rule group give the same per-step losses and grad norms as one process, held to 1e-5 in fp32:
-each matrix is orthogonalized whole whatever shards it (titanlite/optim/muon.py)."""
+rule group, under FSDP 2, TP 2, PP 2, CP 2, FSDP 2 x TP 2 and HSDP 2 x 2, give the same per-step
+losses and grad norms as one process, held to 1e-5 in fp32: each matrix is orthogonalized whole
+whatever shards it (titanlite/optim/muon.py)."""
 
 import pytest
-from integration.parity import BASE, PP, assert_matches, curves, launch, one_microbatch
+from integration.parity import BASE, CP, PP, assert_matches, curves, launch, one_microbatch
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -17,7 +18,9 @@ LAYOUTS = {
     "fsdp2": (2, FSDP2),
     "tp2": (2, [*TP2, *one_microbatch(1)]),
     "pp2": (2, [PP, "2"]),
+    "cp2": (2, [CP, "2", *one_microbatch(1)]),
     "fsdp2xtp2": (4, [*FSDP2, *TP2, *one_microbatch(2)]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
 }
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from titanlite.config import LRScheduler, Optimizer
-from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.optim import build_lr_scheduler, build_optimizer, state_bytes
 
 
 class Tiny(torch.nn.Module):
@@ -110,3 +110,16 @@ def test_state_dict_round_trip_resumes_bitwise():
     _steps(resumed, half)
     for a, b in zip(whole.parameters(), half.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_state_bytes_before_the_first_step_are_those_after_it():
+    """What the dry run reports as the checkpoint's optimizer part: one buffer per Muon
+    element, two moments per AdamW one (AdamW's step counters, scalars, aside)."""
+    model = Tiny()
+    opt = build_optimizer(model, Optimizer(name="Muon"))
+    predicted = state_bytes(opt)
+    matrices, rest = 24 * 8 + 8 * 24, 16 * 8 + 16 * 8 + 8 + 24  # up, down; the others
+    assert predicted == 4 * (matrices + 2 * rest)
+    _steps(opt, model)
+    tensors = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+    assert predicted == sum(t.numel() * t.element_size() for t in tensors)

@@ -47,6 +47,17 @@ def build_optimizer(model: torch.nn.Module, cfg) -> GroupedOptimizer:
     )
 
 
+def state_bytes(optimizer: GroupedOptimizer) -> int:
+    """Bytes of the states `optimizer` keeps once stepped, at the parameters' global sizes: two
+    moments per Adam(W) parameter, one momentum buffer per Muon one."""
+    moments = {"AdamW": 2, "Adam": 2, "Muon": 1}
+    return sum(
+        moments[g["optimizer"]] * p.numel() * p.element_size()
+        for g in optimizer.param_groups
+        for p in g["params"]
+    )
+
+
 def _inner(name: str, groups: list[dict], cfg) -> torch.optim.Optimizer:
     for g in groups:  # a group's betas are one setting to torch
         if name != "Muon":
