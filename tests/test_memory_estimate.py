@@ -494,7 +494,7 @@ def test_muon_keeps_one_momentum_buffer_per_matrix_element():
     for dp in (1, 4):
         rows = estimate(setup(optimizer="Muon", dp_shard=dp)).rows
         assert "AdamW states (2 x fp32)" not in rows
-        assert rows["Muon + AdamW states (1 / 2 x fp32)"] == pytest.approx(
+        assert rows["Muon + AdamW states (1 x fp32 / 2 x fp32)"] == pytest.approx(
             (matrices * 4 + rest * 8) / dp
         )
     on_device = param_counts(ARGS)["total"] / 4
@@ -513,7 +513,19 @@ def test_the_config_and_the_planner_count_the_chosen_optimizer():
     cfg = parse_args(["--optimizer.name", "Muon"])
     model = model_of(cfg, 2048)
     args = model_args_for_vocab(cfg, 2048)
-    assert "Muon + AdamW states (1 / 2 x fp32)" in estimate(setup_from_config(cfg, 1, args)).rows
+    assert (
+        "Muon + AdamW states (1 x fp32 / 2 x fp32)"
+        in estimate(setup_from_config(cfg, 1, args)).rows
+    )
     adamw = replace(model, optimizer="AdamW")
     lo = layout_of(cfg, 1)
     assert memory_gib(model, lo) < memory_gib(adamw, lo)
+
+
+def test_bf16_adamw_states_are_half():
+    total = param_counts(ARGS)["total"]
+    rows = estimate(setup(state_dtype="bfloat16")).rows
+    assert rows["AdamW states (2 x bfloat16)"] == total * 4
+    cfg = parse_args(["--optimizer.state_dtype", "bfloat16"])
+    args = model_args_for_vocab(cfg, 2048)
+    assert "AdamW states (2 x bfloat16)" in estimate(setup_from_config(cfg, 1, args)).rows

@@ -148,9 +148,17 @@ def _check_early_step(optimizer: Optimizer, t: Training, metrics: Metrics) -> No
 
 
 def _check_optimizer(optimizer: Optimizer) -> None:
-    """optimizer.groups' rules parse; Muon's distributed step is not one parameter at a time."""
+    """optimizer.groups' rules parse; bf16 states have an AdamW to go to; Muon's distributed
+    step is not one parameter at a time."""
     rules = [parse_rule(text) for text in optimizer.groups]
     muon = optimizer.name == "Muon" or any(r.settings.get("optimizer") == "Muon" for r in rules)
+    adamw = optimizer.name != "Adam" or any(r.settings.get("optimizer") == "AdamW" for r in rules)
+    if optimizer.state_dtype == "bfloat16" and not adamw:
+        raise ConfigError(
+            "--optimizer.state_dtype bfloat16 keeps AdamW's moments in bf16, but no parameter "
+            "is AdamW's: use --optimizer.name AdamW (or Muon, whose recipe steps the rest with "
+            "AdamW)"
+        )
     if muon and optimizer.early_step_in_backward:
         raise ConfigError(
             "--optimizer.early_step_in_backward steps each parameter alone, but Muon gathers its "

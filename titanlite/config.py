@@ -84,6 +84,11 @@ class Optimizer:
     early_step_in_backward: bool = opt(
         False, "Step each parameter as soon as its gradient is ready in backward, then free it"
     )
+    state_dtype: str = opt(
+        "float32",
+        "AdamW's moments in bfloat16: half their memory, each step computed in fp32",
+        choices=("float32", "bfloat16"),
+    )
     muon_lr: float = opt(0.0, "Peak lr of the Muon groups (0 = optimizer.lr)", ge=0)
     muon_momentum: float = opt(0.95, "Muon momentum", ge=0, lt=1)
     muon_nesterov: bool = opt(True, "Muon with Nesterov momentum")

@@ -72,8 +72,10 @@ error):
   it also compiles the plain loss (loss_bytes).
 - The foreach AdamW step allocates about one fp32 copy of the local parameters as temporaries.
 - Optimizer states (optimizer.name's recipe; optimizer.groups rules are not modeled): AdamW and
-  Adam keep two fp32 moments per parameter; Muon one fp32 momentum buffer per element of the
-  hidden matrices (the block linears) and AdamW's two moments for the rest. Muon's step holds,
+  Adam keep two fp32 moments per parameter (AdamW bf16 ones with optimizer.state_dtype
+  bfloat16, whose step computes in fp32 one parameter at a time); Muon one fp32 momentum
+  buffer per element of the hidden matrices (the block linears) and AdamW's two moments for
+  the rest. Muon's step holds,
   beside AdamW's temporaries for the rest, one whole matrix at a time (the largest counted):
   its gathered fp32 update, Newton-Schulz's bf16 iterate, product and result, the bf16 result
   the owner broadcasts, and two bf16 square Gram matrices of its shorter side (titanlite/optim/
@@ -154,6 +156,7 @@ class MemorySetup:
     pp_options: object = None  # the parallelism config section (pipeline_parallel_*), with pp > 1
     device: str = "cuda"  # "cpu": no allocator cache
     optimizer: str = "AdamW"  # optimizer.name: AdamW, Adam, or Muon (its recipe)
+    state_dtype: str = "float32"  # optimizer.state_dtype: AdamW's moments
 
     def __post_init__(self):
         if self.ac_mode not in ("none", "full", "selective"):
@@ -464,16 +467,19 @@ def optimizer_bytes(
 ) -> tuple[str, float, float]:
     """(row name, state bytes, step temporaries) of s.optimizer's recipe on this rank's device
     (nothing with CPU offload: the step runs in host memory)."""
+    moment = 4 if s.optimizer == "Adam" else DTYPE_BYTES[s.state_dtype]  # AdamW's, maybe bf16
+    short = "fp32" if moment == 4 else s.state_dtype
     if s.optimizer != "Muon":
-        return f"{s.optimizer} states (2 x fp32)", on_device * 8, on_device * 4
+        return f"{s.optimizer} states (2 x {short})", on_device * 2 * moment, on_device * 4
+    name = f"Muon + AdamW states (1 x fp32 / 2 x {short})"
     if not on_device:
-        return "Muon + AdamW states (1 / 2 x fp32)", 0.0, 0.0
+        return name, 0.0, 0.0
     # The block linears, sharded as the rest: Muon's. The other parameters: AdamW's.
     matrices = s.share.blocks * counts["block_split"] / s.tp / (s.dp_shard * s.cp)
     rest = on_device - matrices
     n, m = counts["largest_matrix"], counts["largest_matrix_short"]
     whole = 12 * n + 4 * m * m  # one whole matrix in Newton-Schulz (module docstring)
-    return "Muon + AdamW states (1 / 2 x fp32)", matrices * 4 + rest * 8, rest * 4 + whole
+    return name, matrices * 4 + rest * 2 * moment, rest * 4 + whole
 
 
 def estimate_stages(s: MemorySetup) -> list[MemoryEstimate]:

@@ -4,6 +4,7 @@ from collections import defaultdict
 
 import torch
 
+from titanlite.optim.adamw_bf16 import AdamWBf16States
 from titanlite.optim.groups import assign_groups
 from titanlite.optim.muon import Muon
 
@@ -23,17 +24,30 @@ class GroupedOptimizer(torch.optim.Optimizer):
         for opt in inner.values():
             opt.state = self.state
 
+    def _hand_over(self) -> None:
+        """Each inner optimizer gets its current groups and the shared state (load_state_dict
+        and StepInBackward replace them)."""
+        for name, opt in self.inner.items():
+            opt.param_groups = [g for g in self.param_groups if g["optimizer"] == name]
+            opt.state = self.state
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for name, opt in self.inner.items():
-            opt.param_groups = [g for g in self.param_groups if g["optimizer"] == name]
-            opt.state = self.state  # load_state_dict replaces it
+        self._hand_over()
+        for opt in self.inner.values():
             opt.step()
         return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._hand_over()
+        for opt in self.inner.values():
+            if isinstance(opt, AdamWBf16States):
+                opt.restore_dtypes()
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> GroupedOptimizer:
@@ -49,13 +63,15 @@ def build_optimizer(model: torch.nn.Module, cfg) -> GroupedOptimizer:
 
 def state_bytes(optimizer: GroupedOptimizer) -> int:
     """Bytes of the states `optimizer` keeps once stepped, at the parameters' global sizes: two
-    moments per Adam(W) parameter, one momentum buffer per Muon one."""
-    moments = {"AdamW": 2, "Adam": 2, "Muon": 1}
-    return sum(
-        moments[g["optimizer"]] * p.numel() * p.element_size()
-        for g in optimizer.param_groups
-        for p in g["params"]
-    )
+    moments per Adam(W) parameter (bf16 with AdamWBf16States), one momentum buffer per Muon
+    one."""
+    total = 0
+    for name, inner in optimizer.inner.items():
+        moments = 1 if name == "Muon" else 2
+        size = 2 if isinstance(inner, AdamWBf16States) else None
+        for p in (p for g in optimizer.param_groups if g["optimizer"] == name for p in g["params"]):
+            total += moments * p.numel() * (size or p.element_size())
+    return total
 
 
 def _inner(name: str, groups: list[dict], cfg) -> torch.optim.Optimizer:
@@ -67,6 +83,8 @@ def _inner(name: str, groups: list[dict], cfg) -> torch.optim.Optimizer:
             groups, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
             adjust_lr_fn=cfg.muon_adjust_lr,
         )  # fmt: skip
+    if name == "AdamW" and cfg.state_dtype == "bfloat16":
+        return AdamWBf16States(groups)
     params = [p for g in groups for p in g["params"]]
     impl = {  # the config's choices for optimizer.implementation
         "foreach": {"foreach": True},

@@ -107,7 +107,7 @@ def setup_from_config(
         param_dtype=_compute_dtype_name(t.mixed_precision_param, device),
         loss_parallel=pd.loss_parallel(p), reshard_after_forward=p.fsdp_reshard_after_forward,
         cpu_offload=t.enable_cpu_offload, pp_rank=rank // (world_size // pd.pp), pp_options=p,
-        optimizer=cfg.optimizer.name,
+        optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype,
     )  # fmt: skip
 
 
