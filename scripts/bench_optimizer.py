@@ -1,5 +1,5 @@
-"""The optimizer step alone: AdamW against the Muon recipe (Muon on the hidden matrices, AdamW on
-the rest) on a model flavor, on this machine.
+"""The optimizer step alone: AdamW (fp32 and bf16 states) against the Muon recipe (Muon on the
+hidden matrices, AdamW on the rest) on a model flavor, on this machine.
 
     python scripts/bench_optimizer.py --flavor debugmodel --steps 10
     python -m torch.distributed.run --nproc-per-node 2 scripts/bench_optimizer.py --comm
@@ -47,7 +47,12 @@ def state_bytes(opt) -> int:
 
 def time_steps(args) -> None:
     model = build(args.flavor, args.vocab)
-    opts = {name: build_optimizer(model, Optimizer(name=name)) for name in ("AdamW", "Muon")}
+    configs = {
+        "AdamW": Optimizer(name="AdamW"),
+        "AdamW, bf16 states": Optimizer(name="AdamW", state_dtype="bfloat16"),
+        "Muon": Optimizer(name="Muon"),
+    }
+    opts = {name: build_optimizer(model, cfg) for name, cfg in configs.items()}
     times = {name: [] for name in opts}
     for _ in range(args.steps + 1):  # the first step allocates the states: not timed
         for name, opt in opts.items():
@@ -58,7 +63,7 @@ def time_steps(args) -> None:
     print(f"{args.flavor}: {params / 1e6:.1f} M params, {torch.get_num_threads()} threads")
     for name, opt in opts.items():
         ms = statistics.median(times[name][1:]) * 1e3
-        print(f"{name:6s} step {ms:8.1f} ms (median of {args.steps})  "
+        print(f"{name:18s} step {ms:8.1f} ms (median of {args.steps})  "
               f"state {state_bytes(opt) / 2**20:8.1f} MiB")  # fmt: skip
 
 

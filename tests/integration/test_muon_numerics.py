@@ -13,6 +13,7 @@ FSDP2, TP2 = (
     ["--parallelism.data_parallel_shard_degree", "2"],
     ["--parallelism.tensor_parallel_degree", "2"],
 )
+BF16_STATES = ["--optimizer.state_dtype", "bfloat16"]  # AdamW's moments, elementwise on shards
 # name: (ranks, args)
 LAYOUTS = {
     "fsdp2": (2, FSDP2),
@@ -26,7 +27,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    jobs = {"reference": (1, MUON), "adamw": (1, BASE)}
+    jobs = {"reference": (1, MUON), "adamw": (1, BASE), "bf16_states": (1, [*MUON, *BF16_STATES]),
+            "fsdp2_bf16_states": (2, [*MUON, *BF16_STATES, *FSDP2])}  # fmt: skip
     jobs.update({name: (n, [*MUON, *args]) for name, (n, args) in LAYOUTS.items()})
     return launch(tmp_path_factory.mktemp("muon"), jobs)
 
@@ -35,6 +37,11 @@ def runs(tmp_path_factory):
 def test_muon_layout_matches_one_process(layout, runs):
     assert_matches(f"Muon {layout} vs 1 process", curves(runs[layout]), curves(runs["reference"]),
                    rtol=1e-5)  # fmt: skip
+
+
+def test_bf16_adamw_states_under_fsdp_match_one_process(runs):
+    got, ref = curves(runs["fsdp2_bf16_states"]), curves(runs["bf16_states"])
+    assert_matches("Muon + bf16 AdamW states, fsdp2 vs 1 process", got, ref, rtol=1e-5)
 
 
 def test_muon_is_not_adamw(runs):
