@@ -100,3 +100,11 @@ def test_rules_are_checked_before_building(tmp_path):
     cfg = parse_args(["--model.flavor", "debugmodel_4L", "--optimizer.groups", "kind=bias lr=1"])
     with pytest.raises(ConfigError, match="selects no parameter"):
         check_job(cfg, world_size=1)
+
+
+def test_rules_see_names_without_wrapper_levels():
+    from titanlite.optim.groups import clean_name
+
+    wrapped = "layers.0._checkpoint_wrapped_module.attention.wq.weight"
+    assert clean_name(wrapped) == "layers.0.attention.wq.weight"
+    assert clean_name("_orig_mod.output.weight") == "output.weight"

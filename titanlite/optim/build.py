@@ -19,7 +19,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner: dict[str, torch.optim.Optimizer]):
         self.inner = inner
-        groups = [g for name, opt in inner.items() for g in opt.param_groups]
+        groups = [g for opt in inner.values() for g in opt.param_groups]
         super().__init__(groups, {})
         for opt in inner.values():
             opt.state = self.state

@@ -30,8 +30,6 @@ OUTPUT_NAMES = ("output", "lm_head")
 SETTINGS = {"optimizer": str, "lr": float, "weight_decay": float, "beta1": float,
             "beta2": float, "eps": float, "momentum": float}  # fmt: skip
 ADAM_ONLY, MUON_ONLY = {"beta1", "beta2", "eps"}, {"momentum"}
-# Wrappers that insert a module level into parameter names; rules see the names without them.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 @dataclass
@@ -115,9 +113,9 @@ def _kind(module, mod_name: str, p_name: str, p) -> str:
 
 
 def clean_name(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """The name without wrapper levels (activation checkpointing's, compile's), which start with
+    an underscore: rules see the family's own names."""
+    return ".".join(part for part in name.split(".") if not part.startswith("_"))
 
 
 def recipe_optimizer(name: str, kind: str) -> str:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-# Private, imported for bitwise equality with torch.optim.Muon (torch >= 2.9: both unchanged
-# from 2.9 to 2.13).
+# Private, imported for bitwise equality with torch.optim.Muon (added in torch 2.9); checked
+# against torch 2.13 only (tests/optim/test_muon.py fails if either changes its arithmetic).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 
