@@ -142,3 +142,13 @@ def test_step_in_backward_resumes_exactly():
     resumed, _, _, _ = _tiny_run(2, early=True, resume=(2, state))
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_adamw_groups_are_torchs_so_older_checkpoints_load():
+    """DCP loads a group's every key by name: a key of titanlite's own in the saved groups would
+    make checkpoints written before it fail to load (checked by hand: main's step-2 AdamW
+    checkpoint resumes bitwise through step 4)."""
+    model = torch.nn.Linear(2, 2)
+    ours = build_optimizer(model, opt_cfg()).state_dict()["param_groups"]
+    torchs = torch.optim.AdamW(model.parameters(), fused=True).state_dict()["param_groups"]
+    assert all(g.keys() == torchs[0].keys() for g in ours)

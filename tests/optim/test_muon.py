@@ -59,7 +59,7 @@ def test_muon_recipe_equals_torch_muon_and_adamw(adjust):
     _steps(opt, ours)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b), name
-    assert {g["optimizer"] for g in opt.param_groups} == {"Muon", "AdamW"}
+    assert {opt.optimizer_of(g) for g in opt.param_groups} == {"Muon", "AdamW"}
     # One momentum buffer per matrix, two moments (and the step) elsewhere.
     assert opt.state[ours.up.weight].keys() == {"momentum_buffer"}
     assert opt.state[ours.norm.weight].keys() == {"step", "exp_avg", "exp_avg_sq"}

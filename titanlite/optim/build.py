@@ -10,25 +10,31 @@ from titanlite.optim.muon import Muon
 
 
 class GroupedOptimizer(torch.optim.Optimizer):
-    """One torch Optimizer whose param groups each name the optimizer that steps them
-    (group["optimizer"]: AdamW, Adam or Muon). It is what the LR scheduler drives (every
-    group), checkpoints save (one state dict, DCP reshards it), StepInBackward steps one
-    parameter at a time: each step hands every inner optimizer its current groups and the
-    shared state, so replaced group dicts (load_state_dict, StepInBackward) are always the
-    ones stepped."""
+    """One torch Optimizer over the groups of several inner ones (name -> AdamW, Adam or Muon
+    optimizer). It is what the LR scheduler drives (every group), checkpoints save (one state
+    dict, DCP reshards it), StepInBackward steps one parameter at a time: each step hands every
+    inner optimizer its current groups and the shared state, so replaced group dicts
+    (load_state_dict, StepInBackward) are always the ones stepped. Groups are told apart by
+    their parameters, not by a key of their own: the saved groups are torch's, so checkpoints
+    of AdamW runs from before parameter groups still load."""
 
     def __init__(self, inner: dict[str, torch.optim.Optimizer]):
         self.inner = inner
-        groups = [g for opt in inner.values() for g in opt.param_groups]
-        super().__init__(groups, {})
+        self._name_of = {p: name for name, o in inner.items() for g in o.param_groups
+                         for p in g["params"]}  # fmt: skip
+        super().__init__([g for opt in inner.values() for g in opt.param_groups], {})
         for opt in inner.values():
             opt.state = self.state
+
+    def optimizer_of(self, group: dict) -> str:
+        """The name of the inner optimizer that steps `group`."""
+        return self._name_of[group["params"][0]]
 
     def _hand_over(self) -> None:
         """Each inner optimizer gets its current groups and the shared state (load_state_dict
         and StepInBackward replace them)."""
         for name, opt in self.inner.items():
-            opt.param_groups = [g for g in self.param_groups if g["optimizer"] == name]
+            opt.param_groups = [g for g in self.param_groups if self.optimizer_of(g) == name]
             opt.state = self.state
 
     @torch.no_grad()
@@ -55,7 +61,7 @@ def build_optimizer(model: torch.nn.Module, cfg) -> GroupedOptimizer:
     the groups of titanlite.optim.groups."""
     by_optimizer = defaultdict(list)
     for group in assign_groups(model, cfg, whole_model=False):
-        by_optimizer[group["optimizer"]].append(group)
+        by_optimizer[group.pop("optimizer")].append(group)
     return GroupedOptimizer(
         {name: _inner(name, groups, cfg) for name, groups in by_optimizer.items()}
     )
@@ -69,7 +75,7 @@ def state_bytes(optimizer: GroupedOptimizer) -> int:
     for name, inner in optimizer.inner.items():
         moments = 1 if name == "Muon" else 2
         size = 2 if isinstance(inner, AdamWBf16States) else None
-        for p in (p for g in optimizer.param_groups if g["optimizer"] == name for p in g["params"]):
+        for p in (p for g in inner.param_groups for p in g["params"]):
             total += moments * p.numel() * (size or p.element_size())
     return total
 
