@@ -477,3 +477,57 @@ def test_pp_estimates_every_stage_of_the_405b_config():
     # 1F1B: the first stage keeps the most microbatches in flight.
     acts = [e.rows["activations (AC full)"] for e in stages]
     assert acts == sorted(acts, reverse=True) and acts[0] > 2 * acts[-1]
+
+
+def test_muon_keeps_one_momentum_buffer_per_matrix_element():
+    """Muon's states against the optimizer's own kinds of the model's parameters: 4 bytes per
+    hidden-matrix element, AdamW's 8 for the rest, sharded as the parameters; its step holds
+    one whole matrix (the largest: w1, 256 x 64) however the matrices are sharded."""
+    import torch
+
+    from titanlite.models import get_family
+    from titanlite.optim.groups import param_kinds
+
+    with torch.device("meta"):
+        model = get_family("llama3").model_cls(ARGS)
+    kinds, sizes = param_kinds(model), dict(model.named_parameters())
+    matrices = sum(sizes[n].numel() for n, k in kinds.items() if k == "matrix")
+    rest = param_counts(ARGS)["total"] - matrices
+    for dp in (1, 4):
+        rows = estimate(setup(optimizer="Muon", dp_shard=dp)).rows
+        assert "AdamW states (2 x fp32)" not in rows
+        assert rows["Muon + AdamW states (1 x fp32 / 2 x fp32)"] == pytest.approx(
+            (matrices * 4 + rest * 8) / dp
+        )
+    on_device = param_counts(ARGS)["total"] / 4
+    _, _, step = memory_estimate.optimizer_bytes(
+        param_counts(ARGS), setup(optimizer="Muon", dp_shard=4), on_device
+    )
+    assert step == pytest.approx(rest * 4 / 4 + 12 * 256 * 64 + 4 * 64**2)
+    adam = estimate(setup(optimizer="Adam")).rows
+    assert adam["Adam states (2 x fp32)"] == param_counts(ARGS)["total"] * 8
+
+
+def test_the_config_and_the_planner_count_the_chosen_optimizer():
+    from titanlite.plan.search import memory_gib
+    from titanlite.plan.shape import layout_of, model_of
+
+    cfg = parse_args(["--optimizer.name", "Muon"])
+    model = model_of(cfg, 2048)
+    args = model_args_for_vocab(cfg, 2048)
+    assert (
+        "Muon + AdamW states (1 x fp32 / 2 x fp32)"
+        in estimate(setup_from_config(cfg, 1, args)).rows
+    )
+    adamw = replace(model, optimizer="AdamW")
+    lo = layout_of(cfg, 1)
+    assert memory_gib(model, lo) < memory_gib(adamw, lo)
+
+
+def test_bf16_adamw_states_are_half():
+    total = param_counts(ARGS)["total"]
+    rows = estimate(setup(state_dtype="bfloat16")).rows
+    assert rows["AdamW states (2 x bfloat16)"] == total * 4
+    cfg = parse_args(["--optimizer.state_dtype", "bfloat16"])
+    args = model_args_for_vocab(cfg, 2048)
+    assert "AdamW states (2 x bfloat16)" in estimate(setup_from_config(cfg, 1, args)).rows

@@ -30,6 +30,7 @@ from titanlite.data.sources import HUB_DATASETS
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
 from titanlite.models.pipeline_plan import canonical_schedule
+from titanlite.optim.groups import check_param_groups, parse_rule
 from titanlite.parallel_dims import ParallelDims
 
 
@@ -55,6 +56,7 @@ def check_options(cfg: JobConfig) -> None:
             f"integer N (checkpoint every Nth block), got {option!r}"
         )
     _check_early_step(cfg.optimizer, cfg.training, cfg.metrics)
+    _check_optimizer(cfg.optimizer)
     _check_wandb_installed(cfg.metrics)
 
 
@@ -157,6 +159,25 @@ def _check_early_step(optimizer: Optimizer, t: Training, metrics: Metrics) -> No
         )
 
 
+def _check_optimizer(optimizer: Optimizer) -> None:
+    """optimizer.groups' rules parse; bf16 states have an AdamW to go to; Muon's distributed
+    step is not one parameter at a time."""
+    rules = [parse_rule(text) for text in optimizer.groups]
+    muon = optimizer.name == "Muon" or any(r.settings.get("optimizer") == "Muon" for r in rules)
+    adamw = optimizer.name != "Adam" or any(r.settings.get("optimizer") == "AdamW" for r in rules)
+    if optimizer.state_dtype == "bfloat16" and not adamw:
+        raise ConfigError(
+            "--optimizer.state_dtype bfloat16 keeps AdamW's moments in bf16, but no parameter "
+            "is AdamW's: use --optimizer.name AdamW (or Muon, whose recipe steps the rest with "
+            "AdamW)"
+        )
+    if muon and optimizer.early_step_in_backward:
+        raise ConfigError(
+            "--optimizer.early_step_in_backward steps each parameter alone, but Muon gathers its "
+            "matrices and deals them over the ranks in one step: turn one of them off"
+        )
+
+
 def _check_wandb_installed(metrics: Metrics) -> None:
     # Found at parse time, not when the first rank logs: that comes after the model is built.
     if metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
@@ -203,14 +224,20 @@ def check_early_step_batch(
 
 
 def check_job(
-    cfg: JobConfig, parallel_dims: ParallelDims, global_batch_size: int, num_microbatches: int
+    cfg: JobConfig,
+    parallel_dims: ParallelDims,
+    model_args,
+    global_batch_size: int,
+    num_microbatches: int,
 ) -> None:
     """What a config can get wrong against its world that needs no data, weights or device: the
-    batch split against early steps, float8, the pipeline's options (resolve_job runs it on the
-    layout and global batch it resolved)."""
+    batch split against early steps, float8, the optimizer's parameter groups, the pipeline's
+    options (resolve_job runs it on the layout, model and global batch it resolved)."""
     check_early_step_batch(cfg.optimizer, global_batch_size, num_microbatches,
                            parallel_dims.dp_degree)  # fmt: skip
     check_float8(cfg, parallel_dims)
+    with torch.device("meta"):  # the whole model, also under PP: a rule may select any part
+        check_param_groups(cfg.optimizer, get_family(cfg.model.name).model_cls(model_args))
     # A typo fails with PP off too.
     p = cfg.parallelism
     canonical_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)

@@ -70,7 +70,11 @@ class Model:
 class Optimizer:
     """Optimizer and its hyperparameters."""
 
-    name: str = opt("AdamW", "Optimizer name", choices=("AdamW",))
+    name: str = opt(
+        "AdamW",
+        "AdamW or Adam for every parameter, or Muon: Muon on hidden matrices, AdamW on the rest",
+        choices=("AdamW", "Adam", "Muon"),
+    )
     lr: float = opt(8e-4, "Peak learning rate", ge=0)
     beta1: float = opt(0.9, "Adam beta1")
     beta2: float = opt(0.95, "Adam beta2")
@@ -83,6 +87,26 @@ class Optimizer:
     )
     early_step_in_backward: bool = opt(
         False, "Step each parameter as soon as its gradient is ready in backward, then free it"
+    )
+    state_dtype: str = opt(
+        "float32",
+        "AdamW's moments in bfloat16: half their memory, each step computed in fp32",
+        choices=("float32", "bfloat16"),
+    )
+    muon_lr: float = opt(0.0, "Peak lr of the Muon groups (0 = optimizer.lr)", ge=0)
+    muon_momentum: float = opt(0.95, "Muon momentum", ge=0, lt=1)
+    muon_nesterov: bool = opt(True, "Muon with Nesterov momentum")
+    muon_ns_steps: int = opt(5, "Newton-Schulz iterations per Muon step", ge=1, lt=100)
+    muon_adjust_lr: str = opt(
+        "match_rms_adamw",
+        "Muon lr per matrix shape: match_rms_adamw (0.2 sqrt(max dim): AdamW's lr and decay "
+        "carry over) or original (sqrt(max(1, rows/cols)))",
+        choices=("match_rms_adamw", "original"),
+    )
+    groups: list[str] = opt(
+        [],
+        "Rules overriding the recipe, e.g. 'kind=norm|bias lr=1e-3' or "
+        "'name=layers.*.wq.weight optimizer=AdamW'; see docs/optimizers.md",
     )
 
 

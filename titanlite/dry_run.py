@@ -13,6 +13,7 @@ from titanlite.distributed import destroy, init_fake_distributed, local_value
 from titanlite.job import World, resolve_job
 from titanlite.memory_estimate import GIB, estimate
 from titanlite.models.pipeline_plan import PipelinePlan
+from titanlite.optim import build_optimizer, state_bytes
 from titanlite.parallel_dims import ParallelDims
 from titanlite.plan.shape import setup_from_config
 from titanlite.precision import resolve_param_dtype
@@ -36,6 +37,7 @@ def dry_run(cfg: JobConfig) -> int:
     init_model(cfg, model, device, draw_weights=comm.fake_init_weights)
     t2 = time.perf_counter()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes
+    optimizer = build_optimizer(model, cfg.optimizer)  # its groups: refused as the run would
     # On CUDA, the target; for this rank's pipeline stages under PP.
     setup = setup_from_config(cfg, world, job.model_args, device="cuda", rank=rank)
     report = {
@@ -48,7 +50,7 @@ def dry_run(cfg: JobConfig) -> int:
         "init_seconds": round(t2 - t1, 3),
         "weights_drawn": comm.fake_init_weights,
         "estimated_peak_gib": round(estimate(setup).total / GIB, 3),
-        "checkpoint_bytes": 3 * weights,  # fp32 weights and AdamW's two moments
+        "checkpoint_bytes": weights + state_bytes(optimizer),  # fp32 weights and the states
         "global_batch_size": job.global_batch_size,
         "microbatches": job.num_microbatches,
         "pipeline_stages": pipeline_stages(job.pipeline, job.parallel_dims),

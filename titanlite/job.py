@@ -66,7 +66,7 @@ def resolve_job(config: JobConfig, world: World) -> Job:
     model = resolve_model(config)
     parallel_dims.validate_model(model.args)
     global_batch_size, num_microbatches = resolve_global_batch(training, parallel_dims.dp_degree)
-    check_job(config, parallel_dims, global_batch_size, num_microbatches)
+    check_job(config, parallel_dims, model.args, global_batch_size, num_microbatches)
     pipeline = None
     if parallel_dims.pp_enabled:
         pipeline = plan_pipeline(

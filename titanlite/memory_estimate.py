@@ -71,6 +71,15 @@ error):
   its input, recomputes silu from w1's output and drops w2's output (block_activation_elems);
   it also compiles the plain loss (loss_bytes).
 - The foreach AdamW step allocates about one fp32 copy of the local parameters as temporaries.
+- Optimizer states (optimizer.name's recipe; optimizer.groups rules are not modeled): AdamW and
+  Adam keep two fp32 moments per parameter (AdamW bf16 ones with optimizer.state_dtype
+  bfloat16, whose step computes in fp32 one parameter at a time); Muon one fp32 momentum
+  buffer per element of the hidden matrices (the block linears) and AdamW's two moments for
+  the rest. Muon's step holds,
+  beside AdamW's temporaries for the rest, one whole matrix at a time (the largest counted):
+  its gathered fp32 update, Newton-Schulz's bf16 iterate, product and result, the bf16 result
+  the owner broadcasts, and two bf16 square Gram matrices of its shorter side (titanlite/optim/
+  muon.py): 12 N + 4 m^2 bytes for an n x m matrix of N elements, m <= n.
 - CUDA's caching allocator keeps what a step frees: the working set of the smaller peak is
   reused by the larger one only in part (CUDA_CACHED_FRACTION of it is added).
 - CPU offload (FSDP's CPUOffloadPolicy): the sharded params, grads, AdamW states and the step's
@@ -139,6 +148,8 @@ class MemorySetup:
     pp_rank: int = 0  # the pipeline rank whose memory is estimated
     pp_options: object = None  # the parallelism config section (pipeline_parallel_*), with pp > 1
     device: str = "cuda"  # "cpu": no allocator cache
+    optimizer: str = "AdamW"  # optimizer.name: AdamW, Adam, or Muon (its recipe)
+    state_dtype: str = "float32"  # optimizer.state_dtype: AdamW's moments
 
     def __post_init__(self):
         if self.ac_mode not in ("none", "full", "selective"):
@@ -240,6 +251,11 @@ def param_counts(args, model_name: str = "llama3") -> dict[str, int]:
         elif not name.startswith("layers."):
             counts[_ROOT_PARTS[name.split(".")[0]]] += p.numel()
     counts["total"] = sum(p.numel() for p in model.parameters())
+    largest = max(
+        (p for name, p in model.named_parameters() if name.startswith("layers.0.") and p.ndim == 2),
+        key=lambda p: p.numel(),
+    )
+    counts["largest_matrix"], counts["largest_matrix_short"] = largest.numel(), min(largest.shape)
     return counts
 
 
@@ -426,21 +442,42 @@ def estimate(s: MemorySetup, counts: dict[str, int] | None = None) -> MemoryEsti
     # of gradient accumulation starts with all of them.
     grads_at_backward = on_device * 4 if s.accumulation > 1 else 0.0
     backward = grads_at_backward + sum(working.values())
-    optimizer = on_device * 4 + on_device * 4  # every gradient + the foreach temporaries
+    states_row, states, temporaries = optimizer_bytes(counts, s, on_device)
+    optimizer = on_device * 4 + temporaries  # every gradient + the step's temporaries
     est.rows["params (fp32, sharded)"] = on_device * 4
     if backward >= optimizer:
         est.peak = "start of backward"
         est.rows["grads (fp32, sharded)"] = grads_at_backward
-        est.rows["AdamW states (2 x fp32)"] = on_device * 8
+        est.rows[states_row] = states
         est.rows.update(working)
     else:
         est.peak = "optimizer step"
         est.rows["grads (fp32, sharded)"] = on_device * 4
-        est.rows["AdamW states (2 x fp32)"] = on_device * 8
-        est.rows["optimizer-step temporaries"] = on_device * 4
+        est.rows[states_row] = states
+        est.rows["optimizer-step temporaries"] = temporaries
     if s.device == "cuda":
         est.rows[CACHE_ROW] = CUDA_CACHED_FRACTION * min(backward, optimizer)
     return est
+
+
+def optimizer_bytes(
+    counts: dict[str, int], s: MemorySetup, on_device: float
+) -> tuple[str, float, float]:
+    """(row name, state bytes, step temporaries) of s.optimizer's recipe on this rank's device
+    (nothing with CPU offload: the step runs in host memory)."""
+    moment = 4 if s.optimizer == "Adam" else DTYPE_BYTES[s.state_dtype]  # AdamW's, maybe bf16
+    short = "fp32" if moment == 4 else s.state_dtype
+    if s.optimizer != "Muon":
+        return f"{s.optimizer} states (2 x {short})", on_device * 2 * moment, on_device * 4
+    name = f"Muon + AdamW states (1 x fp32 / 2 x {short})"
+    if not on_device:
+        return name, 0.0, 0.0
+    # The block linears, sharded as the rest: Muon's. The other parameters: AdamW's.
+    matrices = s.share.blocks * counts["block_split"] / s.tp / (s.dp_shard * s.cp)
+    rest = on_device - matrices
+    n, m = counts["largest_matrix"], counts["largest_matrix_short"]
+    whole = 12 * n + 4 * m * m  # one whole matrix in Newton-Schulz (module docstring)
+    return name, matrices * 4 + rest * 2 * moment, rest * 4 + whole
 
 
 def estimate_stages(s: MemorySetup) -> list[MemoryEstimate]:

@@ -312,6 +312,27 @@ def pipeline_stages_told(hidden: torch.Tensor):
             yield
 
 
+# -- optimizers ----------------------------------------------------------------------------------
+
+
+def muon_newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float):
+    """torch.optim._muon._zeropower_via_newtonschulz: the orthogonalization torch.optim.Muon
+    runs, reused so that titanlite's distributed Muon equals torch's bitwise on the same matrix.
+    Muon's step has no public per-matrix hook. The same code in 2.11 and 2.13."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim._muon._adjust_lr: the shape's learning-rate scaling of torch.optim.Muon's
+    adjust_lr_fn options ("original", "match_rms_adamw"), for the same reason as above. The same
+    code in 2.11 and 2.13."""
+    from torch.optim._muon import _adjust_lr
+
+    return _adjust_lr(lr, adjust_lr_fn, shape)
+
+
 # -- data ----------------------------------------------------------------------------------------
 
 

@@ -30,6 +30,20 @@ def test_one_gpu_step_is_matmuls_attention_head_and_optimizer():
     assert p.mfu == pytest.approx(1e8 * p.tokens_per_s_per_gpu / 1e12)
 
 
+def test_muon_step_is_its_traffic_and_a_world_share_of_newton_schulz():
+    """SHAPE's block: wq, wo 1000 x 1000; wk, wv 500 x 1000; w1, w2, w3 3000 x 1000."""
+    lo = Layout(dp_shard=2, local_batch_size=2, ac="none")
+    adamw, muon = (predict(replace(SHAPE, optimizer=o), lo, DEVICE, 8, UNIT) for o in
+                   ("AdamW", "Muon"))  # fmt: skip
+    local, matrices = 10**7 / 2, 4 * 10**6 / 2
+    traffic = (matrices * 20 + (local - matrices) * 28) / 1e9
+    per_iter = (2 * (4 * 1000**3 + 2 * 1000**3) + 2 * (4 * 500**2 * 1000 + 2 * 500**3)
+                + 3 * (4 * 1000**2 * 3000 + 2 * 1000**3))  # fmt: skip
+    ns = 5 * per_iter * 4 / 2 / 1e12  # 4 blocks, 2 ranks
+    assert adamw.split["optimizer"] == pytest.approx(local * 28 / 1e9)
+    assert muon.split["optimizer"] == pytest.approx(traffic + ns)
+
+
 def test_full_ac_recomputes_a_third_of_the_matmuls_and_two_sevenths_of_attention():
     none, full = (predict(SHAPE, Layout(ac=ac), DEVICE, 8, UNIT) for ac in ("none", "full"))
     t = none.terms

@@ -18,7 +18,10 @@ Per rank and step (T = tokens the rank processes per step, L its transformer blo
   forward, since matmul and attention outputs are saved; selective_alternate (op_alternate)
   also the forward of k, wo and w3, every second matmul.
 - the optimizer: fused AdamW reads param, grad and two moments and writes three (28 bytes per
-  local fp32 parameter) at HBM bandwidth.
+  local fp32 parameter) at HBM bandwidth. Muon (optimizer.name's recipe) reads param, grad and
+  its momentum and writes two (20 bytes) for the block linears, and runs Newton-Schulz on each
+  whole matrix, the matrices dealt over all ranks: ns_steps x (4 m^2 n + 2 m^3) FLOPs for an
+  n x m matrix (m <= n) at matmul_efficiency; its gathers and broadcasts are not modelled.
 - FSDP over dp_shard x cp ranks: per microbatch, the block weights are all-gathered in
   param_dtype (float8 for float8 linears) for forward and again for backward (not under PP,
   where stages keep them), and the fp32 gradients reduce-scattered; HSDP adds an all-reduce of
@@ -50,6 +53,8 @@ from titanlite.models.pipeline_plan import LOOPED, SINGLE_STAGE, V_SHAPED, plan_
 from titanlite.plan.devices import Device
 
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW: read p, g, m, v; write p, m, v (fp32)
+MUON_BYTES_PER_PARAM = 20  # Muon: read p, g, buf; write p, buf (fp32)
+MUON_NS_STEPS = 5  # optimizer.muon_ns_steps' default
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
@@ -136,6 +141,7 @@ class Shape:
     params_total: int
     flops_per_token: float  # train.py's MFU convention
     seq_len: int
+    optimizer: str = "AdamW"  # optimizer.name
 
 
 @dataclass
@@ -227,10 +233,7 @@ def predict(shape: Shape, layout: Layout, device: Device, gpus_per_node: int, c:
     bubble = pipeline_bubble(lo, micro) * work
     compute = blocks * (block + recompute) + (head if busiest == lo.pp - 1 else 0.0)
     exposed = dp_exposed_seconds(st, blocks, compute)
-    fsdp = lo.dp_shard * lo.cp
-    optim = (
-        s.params_total / (lo.tp * lo.pp * fsdp) * ADAMW_BYTES_PER_PARAM / (device.hbm_gbps * 1e9)
-    )
+    optim = optimizer_seconds(s, lo, device, st.peak * c.matmul_efficiency)
     step = work + bubble + exposed + optim
     tps = rows * lo.dp * s.seq_len / step / lo.world
     st.t["blocks_on_busiest_rank"] = blocks
@@ -284,6 +287,20 @@ def head_seconds(st: _Step) -> tuple[float, float]:
     send = 2 * st.micro * act_mb / (pp_gbps * 1e9 * c.comm_efficiency) if lo.pp > 1 else 0.0
     st.t.update(head_s=head, pp_send_s=send)
     return head, send
+
+
+def optimizer_seconds(s: Shape, lo: Layout, device: Device, matmul_flops: float) -> float:
+    """One rank's optimizer step: its elementwise traffic, and Muon's Newton-Schulz share."""
+    per_rank = lo.tp * lo.pp * lo.dp_shard * lo.cp  # the ways each parameter is split
+    local = s.params_total / per_rank
+    if s.optimizer != "Muon":
+        return local * ADAMW_BYTES_PER_PARAM / (device.hbm_gbps * 1e9)
+    matrices = s.block_linear_params * s.n_layers / per_rank
+    traffic = matrices * MUON_BYTES_PER_PARAM + (local - matrices) * ADAMW_BYTES_PER_PARAM
+    shapes = [(s.dim, s.dim)] * 2 + [(s.kv_dim, s.dim)] * 2 + [(s.ffn_dim, s.dim)] * 3
+    block = sum(4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3 for a, b in shapes)
+    ns = MUON_NS_STEPS * block * s.n_layers / lo.world  # every rank takes a share
+    return traffic / (device.hbm_gbps * 1e9) + ns / matmul_flops
 
 
 def dp_exposed_seconds(st: _Step, blocks: int, compute: float) -> float:

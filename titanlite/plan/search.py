@@ -71,6 +71,7 @@ def memory_gib(model: Model, lo: Layout, device: str = "cuda", live: bool = Fals
     """The estimator's peak of the fullest pipeline rank (the first holds the most microbatches
     in flight, the last the loss), or with `live` the bytes in use at it (no allocator cache);
     `run` as memory_setup takes it."""
+    run.setdefault("optimizer", model.optimizer)
     setup = memory_setup(model.args, model.name, model.shape.seq_len, lo, device, **run)
     ests = [estimate(replace(setup, pp_rank=r), model.counts) for r in {0, lo.pp - 1}]
     fullest = max(ests, key=lambda e: e.total)

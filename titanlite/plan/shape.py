@@ -24,6 +24,7 @@ class Model:
     args: object
     counts: dict
     shape: Shape
+    optimizer: str = "AdamW"  # optimizer.name: the states the estimator counts
 
 
 def model_of(config: JobConfig, vocab_size: int, seq_len: int | None = None) -> Model:
@@ -47,8 +48,9 @@ def model_of(config: JobConfig, vocab_size: int, seq_len: int | None = None) -> 
         # train.py's count: without the embedding, unless it is the output projection too.
         flops_per_token=family.flops_per_token(count_params(config, args, True), args, seq),
         seq_len=seq,
+        optimizer=config.optimizer.name,
     )
-    return Model(config.model.name, args, counts, shape)
+    return Model(config.model.name, args, counts, shape, config.optimizer.name)
 
 
 def layout_of(config: JobConfig, world_size: int) -> Layout:
@@ -104,6 +106,7 @@ def setup_from_config(
         param_dtype=_compute_dtype_name(t.mixed_precision_param, device),
         loss_parallel=pd.loss_parallel(p), reshard_after_forward=p.fsdp_reshard_after_forward,
         cpu_offload=t.enable_cpu_offload, pp_rank=rank // (world_size // pd.pp), pp_options=p,
+        optimizer=config.optimizer.name, state_dtype=config.optimizer.state_dtype,
     )  # fmt: skip
 
 

@@ -1,53 +1,15 @@
-"""Optimizer and learning-rate schedule builders, and the optimizer step inside backward."""
+"""The optimizer step inside backward (optimizer.early_step_in_backward)."""
 
-import functools
 import logging
 import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.distributed import world_sum
 
 logger = logging.getLogger("titanlite")
-
-
-def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters; norm weights (1-D) get no weight decay.
-
-    Decaying a norm's gain pulls it toward zero for no regularization benefit, so the usual
-    Llama recipe exempts it.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    impl = {  # the config's choices for optimizer.implementation
-        "foreach": {"foreach": True},
-        "fused": {"fused": True},
-        "for-loop": {"foreach": False},
-    }
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        **impl[resolve_implementation(cfg.implementation, params)],
-    )
-
-
-def resolve_implementation(choice: str, params: list[torch.Tensor]) -> str:
-    """ "auto": fused where every parameter is on one device, CUDA or CPU (the whole update in
-    one fused kernel; torchtitan's default): on a CPU the update alone is 2-4x faster than
-    foreach (the debug model, 2 threads: 11 against 39 ms). Parameters split between devices
-    (CPU offload of some) get foreach, which takes any mix."""
-    if choice != "auto":
-        return choice
-    devices = {p.device.type for p in params}
-    return "fused" if devices in ({"cuda"}, {"cpu"}) else "foreach"
 
 
 class StepInBackward:
@@ -122,51 +84,3 @@ def _share_of_square(norm: torch.Tensor) -> torch.Tensor:
     mesh, placements = norm.device_mesh, norm.placements
     shards = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_partial())
     return norm.to_local().square() / (world // shards)
-
-
-# lr_scheduler.decay_type -> the fraction of the peak above min_lr left at decay progress 0..1.
-_DECAY = {
-    "linear": lambda progress: 1.0 - progress,
-    "sqrt": lambda progress: 1.0 - math.sqrt(progress),
-    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
-}
-
-
-def lr_factor(
-    step: int, *, warmup: int, stable_end: int, total: int, decay_type: str, min_f: float
-):
-    """Multiplier of the peak LR at optimizer step `step` (0-based): warmup -> stable -> decay."""
-    if step < warmup:
-        # (step + 1) so the very first update already moves the weights; the peak is reached
-        # at the last warmup step (torchtitan's schedule, so its runs' LRs carry over).
-        return (step + 1) / warmup
-    if step < stable_end:
-        return 1.0
-    progress = (step - stable_end) / max(1, total - stable_end)  # 0 -> 1 over the decay
-    progress = min(progress, 1.0)
-    return min_f + (1.0 - min_f) * _DECAY[decay_type](progress)
-
-
-def build_lr_scheduler(optimizer, cfg, total_steps: int) -> LambdaLR:
-    """Warmup for `warmup_steps`, hold, then decay over the last `decay_ratio` of the run
-    (all of it after warmup when decay_ratio < 0) down to `min_lr_factor` x peak."""
-    warmup = min(cfg.warmup_steps, total_steps)
-    if warmup < cfg.warmup_steps:  # a short test run of a long job's config, most often
-        logger.warning(
-            "lr_scheduler.warmup_steps (%d) exceeds training.steps (%d): warming up over all "
-            "%d steps, so the learning rate peaks at the last",
-            cfg.warmup_steps, total_steps, total_steps,
-        )  # fmt: skip
-    if cfg.decay_ratio < 0:
-        stable_end = warmup
-    else:
-        stable_end = max(warmup, total_steps - round(cfg.decay_ratio * total_steps))
-    fn = functools.partial(
-        lr_factor,
-        warmup=warmup,
-        stable_end=stable_end,
-        total=total_steps,
-        decay_type=cfg.decay_type,
-        min_f=cfg.min_lr_factor,
-    )
-    return LambdaLR(optimizer, fn)
