@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,7 @@ from titanlite.distributed import (
 )
 from titanlite.dry_run import dry_run, write_seed_checkpoint
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
+from titanlite.hf_export import write_export_files
 from titanlite.host import GarbageCollection
 from titanlite.loss import IGNORE_INDEX
 from titanlite.metrics import (
@@ -167,6 +169,7 @@ class Trainer:
         cfg, t, pd = self.cfg, self.cfg.training, self.parallel_dims
         ranks = dict(dp_rank=pd.dp_rank, dp_degree=pd.dp_degree)
         vocab = self.model_args.vocab_size
+        self.tokenizer = job.tokenizer  # an HF export writes its files
         self.loader = build_train_loader(
             t, job.tokenizer, **ranks, global_batch_size=self.global_batch_size,
             num_microbatches=job.num_microbatches, vocab_size=vocab, seed=cfg.debug.seed,
@@ -213,7 +216,10 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, cfg.job.dump_folder, self.model, self.optimizer, self.scheduler,
             self.loader, self.state, dp_degree=self.parallel_dims.dp_degree, last_step=steps,
-            n_layers=self.model_args.n_layers,
+            n_layers=self.model_args.n_layers, complete_export=partial(
+                write_export_files, tokenizer=self.tokenizer,
+                tokenizer_path=cfg.model.tokenizer_path, max_len=cfg.training.seq_len,
+            ),
         )  # fmt: skip
         self.timeouts = CollectiveTimeouts(cfg.comm, keep=(self.checkpointer.process_group,))
         self.preemption = Preemption()

@@ -120,14 +120,17 @@ class CheckpointManager:
     def __init__(
         self, ckpt_cfg, dump_folder, model, optimizer, lr_scheduler, dataloader, train_state,
         dp_degree: int = 1, last_step: int = -1, n_layers: int | None = None,
+        complete_export=None,
     ):  # fmt: skip
         """`n_layers`: the model's blocks on all pipeline stages; a checkpoint of more is
-        refused (None: not checked)."""
+        refused (None: not checked). `complete_export(folder)`, on rank 0 after an HF export's
+        weights and config.json: the tokenizer files and special ids (hf_export)."""
         self.cfg = ckpt_cfg
         self.folder = Path(dump_folder) / ckpt_cfg.folder
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.train_state = dataloader, train_state
         self.dp_degree, self.last_step, self.n_layers = dp_degree, last_step, n_layers
+        self.complete_export = complete_export
         self._last_saved = -1
         # Publishing (marker, rename) and pruning (rmtree of terabytes at 405B) run in this
         # thread in both modes: on the training thread rank 0 would hold every other rank at
@@ -202,6 +205,8 @@ class CheckpointManager:
         info = {"model_only": True, "format": fmt, "dtype": dtype}
         if fmt == "hf":
             save_hf(self.model, tmp, dtype)
+            if rank() == 0 and self.complete_export is not None:
+                self.complete_export(tmp)
         else:
             state = self._state_to_save(step, model_only=True)
             state["model"] = {k: v.to(DTYPES[dtype]) for k, v in state["model"].items()}
