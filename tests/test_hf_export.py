@@ -13,6 +13,7 @@ from conftest import REPO
 from titanlite.checkpoint import CheckpointManager
 from titanlite.config import Checkpoint, Model
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.eval.generate import Sampling, generate
 from titanlite.hf_export import write_tokenizer_files
 from titanlite.models import pad_vocab
 from titanlite.models.llama.args import get_model_args
@@ -97,14 +98,15 @@ def test_auto_classes_load_it_with_the_runs_special_ids(export):
 def test_transformers_greedy_generation_is_titanlites(export):
     model, tok, out = export
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    prompt = tok.encode(SAMPLES[0], bos=True, eos=False)
-    tokens = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(16):
-            logits = model(tokens)[:, -1, : tok.n_words]
-            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    assert theirs[0].tolist() == tokens[0].tolist()
+    prompts = [tok.encode(text, bos=True, eos=False) for text in SAMPLES]
+    ours = generate(model, tok, prompts, Sampling(max_new_tokens=16)).ids  # cached, batched
+    for prompt, new in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        theirs = theirs[0, len(prompt) :].tolist()
+        if tok.eos_id in theirs:  # both stop at EOS; transformers keeps it
+            theirs = theirs[: theirs.index(tok.eos_id)]
+        assert new == theirs
 
 
 def test_a_non_empty_export_folder_stops_with_one_line(export, capsys, tmp_path):

@@ -1,0 +1,1 @@
+"""Evaluation: the validation loss and downstream tasks."""
