@@ -44,6 +44,7 @@ from titanlite.distributed import (
     world_sum,
 )
 from titanlite.dry_run import dry_run, write_seed_checkpoint
+from titanlite.eval.downstream import build_downstream
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
 from titanlite.hf_export import write_export_files
 from titanlite.host import GarbageCollection
@@ -158,6 +159,9 @@ class Trainer:
         if cfg.parallelism.plan == "auto":
             plan_layout(cfg, self.world_size, self.device)
         job = check_run(cfg, self.world_size, self.device)
+        # Loads the tasks (their check) before anything is built.
+        downstream_schedule = Every(cfg.eval.freq, cfg.training.steps, enabled=bool(cfg.eval.tasks))
+        self.downstream = build_downstream(cfg, job.pipeline, downstream_schedule)
         self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Logged with the first step's metrics, so that plan --calibrate can set it beside them.
@@ -303,6 +307,9 @@ class Trainer:
                     window = LogWindow()
                 if self.validator.due(st.step):
                     values.update(self.validator.run(self.model, cfg.loss.chunk_tokens))
+                if self.downstream.due(st.step):
+                    values.update(self.downstream.run(self.model, self.tokenizer,
+                                                      self.model_context))  # fmt: skip
                 if values:
                     self.metrics.log(st.step, values)
                 if self.checkpointer.due(st.step, final=st.step == last or out.stop):

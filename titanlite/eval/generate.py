@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,11 @@ class KVCache:
         finally:
             for a, attend in zip(attentions, saved, strict=True):
                 a.attend = attend
+
+
+def full(logits):
+    """Logits a TP plan left sharded over the vocabulary, gathered."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 def next_token(logits, sampling: Sampling, n_words: int, generator) -> torch.Tensor:
@@ -181,7 +187,7 @@ def _cached_steps(model, prompts, length):
     with kv.attached(model):
         while True:
             positions = torch.arange(kv.filled, kv.filled + tokens.shape[1], device=tokens.device)
-            logits = model(tokens, positions=positions)[:, -1]
+            logits = full(model(tokens, positions=positions))[:, -1]
             kv.filled += tokens.shape[1]
             tokens = (yield logits)[:, None]
 
@@ -190,5 +196,5 @@ def _uncached_steps(model, prompts, _length):
     """The same, re-running each whole sequence alone for each new token."""
     rows = [torch.tensor(p, device=model.rope_cache.device) for p in prompts]
     while True:
-        chosen = yield torch.stack([model(r[None])[0, -1] for r in rows])
+        chosen = yield torch.stack([full(model(r[None]))[0, -1] for r in rows])
         rows = [torch.cat([r, c[None]]) for r, c in zip(rows, chosen, strict=True)]
