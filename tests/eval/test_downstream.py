@@ -4,9 +4,6 @@ multiple-choice log-likelihood task, a generative one, a rolling perplexity one)
 out as eval/<task>/<metric>, and bad task input stops with one line. (In the training run:
 tests/eval/test_downstream_run.py.)"""
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -27,21 +24,11 @@ lm_eval = pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow
 from lm_eval.evaluator import simple_evaluate  # noqa: E402
 
-TASKS = Path(__file__).with_name("tasks")
 ALL = ["tl_mc", "tl_gen", "tl_rolling"]
 
 
-def task_folder(dst: Path) -> Path:
-    """The task YAMLs with their data paths made absolute (lm-eval reads them from the cwd)."""
-    dst.mkdir()
-    for f in TASKS.iterdir():
-        text = f.read_text().replace("DATA/", f"{TASKS}/") if f.suffix == ".yaml" else None
-        dst.joinpath(f.name).write_text(text) if text else shutil.copy(f, dst / f.name)
-    return dst
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, task_folder):
     """A debug model with spread-out logits, its HF export, the task folder and its manager."""
     root = tmp_path_factory.mktemp("downstream")
     tok = build_tokenizer(Model(vocab_limit=1000))
@@ -137,7 +124,7 @@ def _job(**eval_options) -> JobConfig:
     return cfg
 
 
-def test_bad_task_input_is_one_line(setup, tmp_path):
+def test_bad_task_input_is_one_line(setup, tmp_path, task_folder):
     tasks = task_folder(tmp_path / "tasks")
     with pytest.raises(ConfigError, match="unknown task 'tl_nope'"):
         load_tasks(Eval(tasks=["tl_mc", "tl_nope"], include_path=str(tasks)))
