@@ -11,7 +11,9 @@ with one line. lm-eval's own seeding is off (it would reseed the training's RNGs
 sampler keeps its fixed seed.
 """
 
+import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -84,6 +86,18 @@ def scores(results: dict) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def _results_on_every_rank():
+    """lm-eval returns its results only where LOCAL_RANK is 0 (it takes the others for TP
+    ranks): every rank computed them alike here, and the metrics logger's rank needs them."""
+    local_rank = os.environ.pop("LOCAL_RANK", None)
+    try:
+        yield
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
+
+
 class DownstreamEval:
     """Runs when its `schedule` is due (eval.freq and the last step, when eval.tasks is set)."""
 
@@ -103,12 +117,13 @@ class DownstreamEval:
         limit = None if limit == 0 else int(limit) if limit >= 1 else limit
         model.eval()
         try:
-            results = simple_evaluate(
-                model=TitanliteLM(model, tokenizer, self.cfg.batch_size, model_context),
-                tasks=list(self.cfg.tasks), limit=limit, task_manager=self.manager,
-                bootstrap_iters=0, log_samples=False, random_seed=None, numpy_random_seed=None,
-                torch_random_seed=None, verbosity="WARNING",
-            )  # fmt: skip
+            with _results_on_every_rank():
+                results = simple_evaluate(
+                    model=TitanliteLM(model, tokenizer, self.cfg.batch_size, model_context),
+                    tasks=list(self.cfg.tasks), limit=limit, task_manager=self.manager,
+                    bootstrap_iters=0, log_samples=False, random_seed=None,
+                    numpy_random_seed=None, torch_random_seed=None, verbosity="WARNING",
+                )  # fmt: skip
         finally:
             model.train()
             if hasattr(model, "reshard"):  # FSDP's root stays unsharded after a no-grad forward
