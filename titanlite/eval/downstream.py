@@ -57,8 +57,10 @@ def load_tasks(cfg):
             raise ConfigError(f"eval.include_path {include} is not a folder of task YAML files")
         _check_yaml_files(include)
     # lm-eval's own thousands of tasks take minutes to index: only when a task is not local.
-    manager = TaskManager(include_path=str(include) if include else None, include_defaults=False)
-    if include is None or not set(cfg.tasks) <= set(manager.all_tasks):
+    manager = None
+    if include is not None:
+        manager = TaskManager(include_path=str(include), include_defaults=False)
+    if manager is None or not set(cfg.tasks) <= set(manager.all_tasks):
         manager = TaskManager(include_path=str(include) if include else None)
     unknown = [t for t in cfg.tasks if t not in manager.all_tasks]
     if unknown:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from titanlite.eval.generate import Sampling, full, generate
 
@@ -72,8 +73,6 @@ class TitanliteLM(TemplateLM):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         scores = []
         for (string,) in (r.args for r in requests):
             windows = get_rolling_token_windows(
