@@ -51,8 +51,10 @@ from titanlite.distributed import (
     world_sum,
 )
 from titanlite.dry_run import dry_run
+from titanlite.eval.downstream import build_downstream
 from titanlite.eval.validation import Validator
 from titanlite.float8 import float8_after_optimizer_step, float8_enabled
+from titanlite.hf_export import write_export_files
 from titanlite.host import GarbageCollection
 from titanlite.job import World, resolve_job
 from titanlite.loss import IGNORE_INDEX
@@ -168,6 +170,9 @@ class Trainer:
         here: self.cfg is then the planner's config)."""
         job = resolve_job(cfg, World(self.world_size, self.device))
         self.cfg = cfg = job.config
+        # Loads the tasks (their check) before anything is built.
+        downstream_schedule = Every(cfg.eval.freq, cfg.training.steps, enabled=bool(cfg.eval.tasks))
+        self.downstream = build_downstream(cfg, job.pipeline, downstream_schedule)
         self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Logged with the first step's metrics, so that plan --calibrate can set it beside them.
@@ -179,6 +184,7 @@ class Trainer:
         cfg, t, pd = self.cfg, self.cfg.training, self.parallel_dims
         ranks = dict(dp_rank=pd.dp_rank, dp_degree=pd.dp_degree)
         vocab = self.model_args.vocab_size
+        self.tokenizer = job.tokenizer  # an HF export writes its files
         self.loader = build_train_loader(
             t, job.tokenizer, **ranks, global_batch_size=self.global_batch_size,
             num_microbatches=job.num_microbatches, vocab_size=vocab, seed=cfg.debug.seed,
@@ -225,7 +231,10 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, cfg.job.dump_folder, self.model, self.optimizer, self.scheduler,
             self.loader, self.state, dp_degree=self.parallel_dims.dp_degree, last_step=steps,
-            n_layers=self.model_args.n_layers,
+            n_layers=self.model_args.n_layers, complete_export=partial(
+                write_export_files, tokenizer=self.tokenizer,
+                tokenizer_path=cfg.model.tokenizer_path, max_len=cfg.training.seq_len,
+            ),
         )  # fmt: skip
         self.timeouts = CollectiveTimeouts(cfg.comm, keep=(self.checkpointer.process_group,))
         self.preemption = Preemption()
@@ -311,6 +320,9 @@ class Trainer:
                     window = LogWindow()
                 if self.validator.due(st.step):
                     values.update(self.validator.run(self.model, cfg.loss.chunk_tokens))
+                if self.downstream.due(st.step):
+                    values.update(self.downstream.run(self.model, self.tokenizer,
+                                                      self.model_context))  # fmt: skip
                 if values:
                     self.metrics.log(st.step, values)
                 if self.checkpointer.due(st.step, final=st.step == last or out.stop):

@@ -24,6 +24,7 @@ model.name on export), which the trainer's checkpoints use too.
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,8 +41,11 @@ from titanlite.checkpoint.stream import (
     single_process_quietly,
     torch_save_lazily,
 )
+from titanlite.config import Model
+from titanlite.data.tokenizer import build_tokenizer
 from titanlite.hf import INDEX, hf_files, hf_shape, read_hf_config, read_hf_tensor
-from titanlite.models import family_of_hf, get_family
+from titanlite.hf_export import check_export_folder, write_export_files
+from titanlite.models import family_of_hf, get_family, pad_vocab
 from titanlite.progress import Progress  # noqa: E402
 
 try:
@@ -143,16 +147,33 @@ def model_args_for(shapes: dict, flavor: str, step_dir: Path):
     )
 
 
+def run_tokenizer(step_dir: Path, vocab_size: int):
+    """(The run's tokenizer, its model config section) from its config.toml; (None, None) with a
+    warning when there is none: the export then has weights and config.json only."""
+    cfg_path, cfg = run_config(step_dir)
+    if not cfg:
+        print(
+            f"convert_checkpoint: warning: {cfg_path} does not exist, so the run's tokenizer is "
+            "unknown: no tokenizer files, no special ids in config.json",
+            file=sys.stderr,
+        )
+        return None, None
+    model_cfg = replace(Model(), **cfg.get("model", {}))
+    tokenizer = build_tokenizer(model_cfg)
+    if pad_vocab(tokenizer.n_words) != vocab_size:
+        raise ValueError(f"the run's tokenizer ({cfg_path}) has {tokenizer.n_words} ids, the "
+                         f"weights a vocabulary of {vocab_size}")  # fmt: skip
+    return tokenizer, model_cfg
+
+
 def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
+    check_export_folder(out)
     ckpt = DcpModel(step_dir)
     args = model_args_for(ckpt.shapes, flavor, step_dir)
     fmt = get_family(args.family_name).hf
+    tokenizer, model_cfg = run_tokenizer(step_dir, args.vocab_size)
     parts = fmt.units(args)
     shards = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
-    stale = {f.name for f in out.glob("*.safetensors")} - set(shards)
-    if stale:
-        raise ValueError(f"{out} holds other safetensors files ({sorted(stale)[0]}, ...): "
-                         "loaders would mix them in; export into an empty directory")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
     progress = Progress("exporting", len(shards), unit="shards", scale=1)
@@ -167,6 +188,8 @@ def dcp_to_hf(step_dir: Path, out: Path, flavor: str, dtype: str) -> None:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     fmt.write_config(out, args, dtype)
+    if tokenizer is not None:
+        write_export_files(out, tokenizer, model_cfg.tokenizer_path, args.max_seq_len)
 
 
 def hf_to_dcp(hf_dir: Path, out: Path, dtype: str) -> None:

@@ -10,18 +10,19 @@ by DCP into this layout whatever layout saved them. Tensor parallelism spans --t
 (default: all of them; with fewer, the world / tp groups each compute the same tokens). Device and
 backend are train.py's: CUDA + NCCL where present, else CPU + gloo.
 
-Decoding: --temperature 0 is greedy (argmax, deterministic). Above 0 a token is sampled from
-softmax(logits / temperature) over the --top_k most likely tokens (0 = all), by a generator seeded
-with --seed: the same seed gives the same tokens, and every TP rank draws the same ones from the
-same replicated logits. The padding rows of the vocabulary (the tokenizer's size rounded up to 128)
-are never chosen. Exactly --max_new_tokens are generated (no stop at end-of-text), and prompt + new
+Decoding is titanlite.eval.generate's: --temperature 0 is greedy (argmax, deterministic). Above 0
+a token is sampled from softmax(logits / temperature) over the --top_k most likely tokens (0 = all)
+and within --top_p, by a generator seeded with --seed: the same seed gives the same tokens, and
+every TP rank draws the same ones from the same replicated logits. The padding rows of the
+vocabulary (the tokenizer's size rounded up to 128) are never chosen. A response ends at
+end-of-text (unless --ignore_eos), at a --stop string, or after --max_new_tokens; prompt + new
 tokens may run past the run's training.seq_len (RoPE's table is built for the length asked; a
-warning says those positions were never trained on).
+warning says those positions were never trained on). --prompt may be given several times: the
+prompts are generated together as one batch.
 
-Cost: there is no KV cache. Each new token re-runs the forward over the whole sequence so far, so
-n tokens cost O(n^2) token-forwards (attention O(n^3)): fine for checking a trained model, slow for
-long outputs. Only the last position goes through the output projection, so no step builds a
-[sequence, vocabulary] logits tensor.
+Cost: a KV cache, so each new token is one forward of one position per prompt (--no_cache: the
+whole sequence again per token, the reference). Only the last position goes through the output
+projection, so no step builds a [sequence, vocabulary] logits tensor.
 
 --out prints a JSON report on stdout (rank 0): torchtitan's {"metadata": ..., "responses": [...]}
 with the prompt, token ids and decoding settings added. Logs go to stderr. User mistakes (missing
@@ -52,6 +53,7 @@ from titanlite.config import Checkpoint, ConfigError  # noqa: E402
 from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.data.tokenizer import Tokenizer  # noqa: E402
 from titanlite.distributed import destroy, init_distributed  # noqa: E402
+from titanlite.eval.generate import Generation, Sampling, generate  # noqa: E402
 from titanlite.job import resolve_model  # noqa: E402
 from titanlite.metrics import DeviceMemoryMonitor, init_logger  # noqa: E402
 from titanlite.models import ModelFamily, get_family  # noqa: E402
@@ -74,7 +76,9 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
         required=True,
         help="a checkpoint step folder, e.g. outputs/debug/checkpoint/step-100",
     )
-    p.add_argument("--prompt", default="", help="text to continue (BOS is prepended)")
+    p.add_argument(
+        "--prompt", action="append", help="text to continue (BOS is prepended); repeat for a batch"
+    )
     p.add_argument("--max_new_tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument(
         "--temperature", type=float, default=1.0, help="0 = greedy (argmax); default 1.0"
@@ -82,6 +86,10 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--top_k", type=int, default=0, help="sample among the K most likely tokens (0 = all)"
     )
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1 = all tokens)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore_eos", action="store_true", help="do not stop at end-of-text")
+    p.add_argument("--no_cache", action="store_true", help="no KV cache (the slow reference)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     p.add_argument(
         "--tp",
@@ -98,7 +106,7 @@ class Job(NamedTuple):
     family: ModelFamily
     model_args: object  # the family's args
     parallel_dims: ParallelDims
-    prompt_ids: list[int]
+    prompt_ids: list[list[int]]
 
 
 def prepare(opts: argparse.Namespace, world_size: int) -> Job:
@@ -113,13 +121,14 @@ def prepare(opts: argparse.Namespace, world_size: int) -> Job:
     check_checkpoint_dir(opts.checkpoint, "--checkpoint")
     tokenizer, args = resolve_model(cfg)
     parallel_dims = tp_layout(opts.tp or world_size, world_size, args)
-    prompt_ids = tokenizer.encode(opts.prompt, bos=True, eos=False)
-    total = len(prompt_ids) + opts.max_new_tokens
+    prompt_ids = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
+    longest = max(len(p) for p in prompt_ids)
+    total = longest + opts.max_new_tokens
     if total > args.max_seq_len:
         # Nothing in the weights depends on the length: only the RoPE table does, and it is
         # built for the positions asked.
         logger.warning(
-            f"the prompt ({len(prompt_ids)} tokens with BOS) + --max_new_tokens "
+            f"the prompt ({longest} tokens with BOS) + --max_new_tokens "
             f"({opts.max_new_tokens}) = {total} tokens, beyond the run's training.seq_len "
             f"{args.max_seq_len}: positions past it were never trained on"
         )
@@ -134,6 +143,8 @@ def check_options(opts: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {opts.temperature}")
     if opts.top_k < 0:
         raise ValueError(f"--top_k must be >= 0 (0 = all tokens), got {opts.top_k}")
+    if not 0 < opts.top_p <= 1:
+        raise ValueError(f"--top_p must be in (0, 1] (1 = all tokens), got {opts.top_p}")
     if opts.tp < 0:
         raise ValueError(f"--tp must be >= 1 (or 0 = the number of processes), got {opts.tp}")
 
@@ -178,44 +189,30 @@ def load_weights(model: nn.Module, step_dir: Path) -> None:
         manager.close()
 
 
-def next_token(logits, temperature: float, top_k: int, n_words: int, generator) -> torch.Tensor:
-    """logits [b, vocab] -> token ids [b]; the vocabulary's padding ids are never chosen."""
-    logits = logits[:, :n_words].float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, n_words), dim=-1).values[:, -1:]  # [b, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def sampling_of(opts) -> Sampling:
+    return Sampling(
+        max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
+        top_p=opts.top_p, stop=tuple(opts.stop), stop_at_eos=not opts.ignore_eos, seed=opts.seed,
+    )  # fmt: skip
 
 
-@torch.no_grad()
-def generate(model, prompt_ids: list[int], max_new_tokens: int, **sampling) -> list[int]:
-    """Append max_new_tokens to the prompt, one full forward per token (see the docstring)."""
-    n = len(prompt_ids)
-    device = model.rope_cache.device
-    tokens = torch.empty(1, n + max_new_tokens, dtype=torch.long, device=device)
-    tokens[0, :n] = torch.tensor(prompt_ids)
-    for pos in range(n, n + max_new_tokens):
-        logits = model(tokens[:, :pos])  # [1, 1, vocab]: the last position only
-        tokens[:, pos] = next_token(logits[:, -1], **sampling)
-    return tokens[0, n:].tolist()
-
-
-def report(opts, job: Job, new_ids: list[int], seconds: float, memory, world_size: int) -> dict:
-    """torchtitan's report for one response, plus the prompt, token ids and decoding settings."""
+def report(opts, job: Job, out: Generation, seconds: float, memory, world_size: int) -> dict:
+    """torchtitan's report, one response per prompt, plus the prompts, token ids and decoding
+    settings."""
     stats = memory.get_peak_stats()
+    generated = sum(len(ids) for ids in out.ids)
     metadata = {
-        "generated_n_tokens": len(new_ids),
-        "input_n_tokens": len(job.prompt_ids),
+        "generated_n_tokens": generated,
+        "input_n_tokens": sum(len(p) for p in job.prompt_ids),
         "generation_time_sec": seconds,
-        "tokens_per_sec": len(new_ids) / seconds,  # generated tokens only
-        "batch_size": 1,
+        "tokens_per_sec": generated / seconds,  # generated tokens only
+        "batch_size": len(job.prompt_ids),
         "seed": opts.seed,
         "temperature": opts.temperature,
         "top_k": opts.top_k,
+        "top_p": opts.top_p,
+        "stop": opts.stop,
+        "kv_cache": not opts.no_cache,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()),
         "memory/max_active(GiB)": stats.max_active_gib,
         "memory/max_active(%)": stats.max_active_pct,
@@ -228,19 +225,25 @@ def report(opts, job: Job, new_ids: list[int], seconds: float, memory, world_siz
         "torch_version": torch.__version__,
         "checkpoint": str(opts.checkpoint),
     }
-    response = {
-        "response_idx": 0,
-        "prompt": opts.prompt,
-        "input_text": job.tokenizer.decode(job.prompt_ids),
-        "output_text": job.tokenizer.decode(new_ids),
-        "input_ids": job.prompt_ids,
-        "output_ids": new_ids,
-    }
-    return {"metadata": metadata, "responses": [response]}
+    responses = [
+        {
+            "response_idx": i,
+            "prompt": prompt,
+            "input_text": job.tokenizer.decode(ids),
+            "output_text": text,
+            "input_ids": ids,
+            "output_ids": new_ids,
+        }
+        for i, (prompt, ids, new_ids, text) in enumerate(
+            zip(opts.prompt, job.prompt_ids, out.ids, out.texts, strict=True)
+        )
+    ]
+    return {"metadata": metadata, "responses": responses}
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_cli(argv)
+    opts.prompt = opts.prompt or [""]
     rank, _, world_size, device = init_distributed()
     init_logger(rank, stream=sys.stderr)
     try:
@@ -253,19 +256,16 @@ def main(argv: list[str] | None = None) -> int:
         destroy(barrier=False)
         return 2
     memory = DeviceMemoryMonitor(device)  # peak from here: the weights plus generation
-    generator = torch.Generator(device).manual_seed(opts.seed)
     t0 = time.perf_counter()
-    new_ids = generate(
-        model, job.prompt_ids, opts.max_new_tokens, temperature=opts.temperature,
-        top_k=opts.top_k, n_words=job.tokenizer.n_words, generator=generator,
-    )  # fmt: skip
+    out = generate(model, job.tokenizer, job.prompt_ids, sampling_of(opts), cache=not opts.no_cache)
     seconds = time.perf_counter() - t0
+    generated = sum(len(ids) for ids in out.ids)
     logger.info("generated %d tokens in %.2f s (%.1f tokens/s)",
-                len(new_ids), seconds, len(new_ids) / seconds)  # fmt: skip
+                generated, seconds, generated / seconds)  # fmt: skip
     if rank == 0:
-        result = report(opts, job, new_ids, seconds, memory, world_size)
-        text = opts.prompt + result["responses"][0]["output_text"]
-        print(json.dumps(result, indent=4) if opts.out else text)
+        result = report(opts, job, out, seconds, memory, world_size)
+        texts = [p + t for p, t in zip(opts.prompt, out.texts, strict=True)]
+        print(json.dumps(result, indent=4) if opts.out else "\n\n".join(texts))
     destroy()
     return 0
 

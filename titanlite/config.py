@@ -417,6 +417,17 @@ class Validation:
 
 
 @dataclass
+class Eval:
+    """Downstream tasks (lm-evaluation-harness) on the training model, in the run's processes."""
+
+    tasks: list[str] = opt([], "lm-eval task names, hub or local ([] = no downstream evaluation)")
+    freq: int = opt(1000, "Evaluate every N steps (and at the last step)", ge=1)
+    limit: float = opt(0.0, "Documents per task (0 = all; below 1 a fraction of them)", ge=0)
+    include_path: str = opt("", "Folder of lm-eval task YAML files added to its registry")
+    batch_size: int = opt(8, "Sequences per forward for log-likelihoods", ge=1)
+
+
+@dataclass
 class Comm:
     """Process groups; the fake backend checks a job's layout at its real scale in one process."""
 
@@ -505,6 +516,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     loss: Loss = field(default_factory=Loss)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     comm: Comm = field(default_factory=Comm)
     quantize: Quantize = field(default_factory=Quantize)
     debug: Debug = field(default_factory=Debug)

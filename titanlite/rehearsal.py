@@ -94,7 +94,8 @@ def rehearse(cfg, trainer_cls) -> int:
 
 def rehearsal_config(cfg):
     """The job's config less what would read values on the host or write files a fake rank
-    must not: checkpoints (saved or loaded), validation, loss-spike judging, TensorBoard/W&B."""
+    must not: checkpoints (saved or loaded), validation, downstream evaluation, loss-spike
+    judging, TensorBoard/W&B."""
     cfg = copy.deepcopy(cfg)
     turned_off = {
         "checkpoint.enable": cfg.checkpoint.enable,
@@ -103,10 +104,12 @@ def rehearsal_config(cfg):
         "training.loss_spike_factor": cfg.training.loss_spike_factor > 0,
         "metrics.enable_tensorboard": cfg.metrics.enable_tensorboard,
         "metrics.enable_wandb": cfg.metrics.enable_wandb,
+        "eval.tasks": bool(cfg.eval.tasks),
     }
     cfg.checkpoint.enable, cfg.checkpoint.initial_load_path = False, ""
     cfg.validation.enable, cfg.training.loss_spike_factor = False, 0.0
     cfg.metrics.enable_tensorboard = cfg.metrics.enable_wandb = False
+    cfg.eval.tasks = []
     if off := [name for name, on in turned_off.items() if on]:
         logger.info("rehearsal: off for its steps: %s", ", ".join(off))
     return cfg

@@ -77,6 +77,14 @@ def test_last_save_in_hf_is_what_transformers_loads_with_the_runs_logits(tiny, r
     tokens = torch.randint(0, ours.args.vocab_size, (2, 32))
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max() <= 1e-4
+    # complete: the run's tokenizer and special ids, loaded by the Auto classes as it is
+    tok = build_tokenizer(parse_args(TINY_TRAIN).model)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export)
+    text = "def main():\n    return 42"
+    assert hf_tok(text)["input_ids"] == tok.encode(text, bos=True, eos=False)
+    auto = transformers.AutoModelForCausalLM.from_pretrained(export)
+    assert (auto.config.bos_token_id, auto.config.eos_token_id) == (tok.bos_id, tok.eos_id)
+    assert auto.generation_config.eos_token_id == tok.eos_id
     marker = json.loads((export / MARKER).read_text())
     assert marker.pop("save_seconds") > 0
     assert marker == {"step": 1, "model_only": True, "format": "hf", "dtype": "float32"}

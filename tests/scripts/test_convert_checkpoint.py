@@ -170,7 +170,7 @@ def test_dcp_to_torch_all_matches_torch_dcp_to_torch_save(tmp_path):
 @pytest.mark.slow
 def test_cli_errors_are_one_line_with_the_fix(debug_ckpt, tmp_path, capsys):
     _, _, _, step_dir = debug_ckpt
-    stale = tmp_path / "old_export"  # a single-file export there would shadow the new shards
+    stale = tmp_path / "old_export"  # an earlier export there would mix with the new one
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"")
     cases = [
@@ -179,7 +179,7 @@ def test_cli_errors_are_one_line_with_the_fix(debug_ckpt, tmp_path, capsys):
         (["dcp-to-torch", str(tmp_path), str(tmp_path / "z.pt")], "not a DCP checkpoint"),
         (
             ["dcp-to-hf", str(step_dir), str(stale), "--flavor", "debugmodel"],
-            "holds other safetensors files (model.safetensors",
+            "exists and is not empty: remove it or pick another",
         ),
     ]
     for argv, msg in cases:

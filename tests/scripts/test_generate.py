@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
 
 def generate_json(capsys, config, step_dir, *options) -> dict:
     argv = ["--config", str(config), "--checkpoint", str(step_dir), "--prompt", PROMPT,
-            "--max_new_tokens", str(NEW), "--out", *options]  # fmt: skip
+            "--max_new_tokens", str(NEW), "--out", "--ignore_eos", *options]  # fmt: skip
     assert gen.main(argv) == 0
     return json.loads(capsys.readouterr().out)["responses"][0]
 
@@ -80,7 +80,7 @@ def test_it_generates_past_the_training_length_and_says_so(runs, capsys):
     is built for the length asked, as torchtitan's generate does)."""
     config, step_dir = runs["full"]
     argv = ["--config", str(config), "--checkpoint", str(step_dir), "--prompt", PROMPT,
-            "--max_new_tokens", "40", "--temperature", "0", "--out"]  # fmt: skip
+            "--max_new_tokens", "40", "--temperature", "0", "--out", "--ignore_eos"]  # fmt: skip
     assert gen.main(argv) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)["responses"][0]
@@ -114,18 +114,20 @@ def test_tensor_parallel_gives_the_one_process_tokens(runs, capsys):
     assert report["responses"][0]["output_ids"] == one["output_ids"]
 
 
-def test_next_token_keeps_to_top_k_and_the_real_vocabulary():
-    n_words = 10
-    logits = torch.arange(16.0).repeat(2, 1)  # [2, 16]: the 6 padding ids score highest
-    logits[1, 3] = 100.0
-    rng = torch.Generator().manual_seed(0)
-    greedy = gen.next_token(logits, 0.0, 0, n_words, rng)
-    assert greedy.tolist() == [9, 3]
-    drawn = torch.stack([gen.next_token(logits, 5.0, 3, n_words, rng) for _ in range(200)])
-    assert set(drawn[:, 0].tolist()) == {7, 8, 9}
-    assert set(drawn[:, 1].tolist()) <= {3, 8, 9}
-    everything = torch.stack([gen.next_token(logits, 50.0, 0, n_words, rng) for _ in range(300)])
-    assert everything.max() < n_words and len(set(everything[:, 0].tolist())) == n_words
+def test_batched_prompts_with_the_cache_give_each_prompts_own_tokens(runs, capsys):
+    """Sampling and stops: tests/eval/test_generation.py; here the script's batch and options."""
+    config, step_dir = runs["full"]
+    argv = ["--config", str(config), "--checkpoint", str(step_dir), "--max_new_tokens", str(NEW),
+            "--temperature", "0", "--out", "--ignore_eos"]  # fmt: skip
+    prompts = ["--prompt", PROMPT, "--prompt", "x = [1, 2, 3]\nfor i in x:"]
+    assert gen.main([*argv, *prompts]) == 0
+    batch = json.loads(capsys.readouterr().out)
+    assert batch["metadata"]["batch_size"] == 2 and batch["metadata"]["kv_cache"]
+    assert gen.main([*argv, *prompts, "--no_cache"]) == 0
+    reference = json.loads(capsys.readouterr().out)["responses"]
+    for got, want in zip(batch["responses"], reference, strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        assert got["output_ids"] == argmax_tokens(config, step_dir, got["input_ids"], NEW)
 
 
 def test_tp_degree_must_divide_the_world_and_the_heads():
@@ -158,6 +160,7 @@ def _damaged(runs, tmp_path, what):
         ("ok", ["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
         ("ok", ["--temperature", "-0.5"], "--temperature must be >= 0"),
         ("ok", ["--top_k", "-1"], "--top_k must be >= 0"),
+        ("ok", ["--top_p", "0"], "--top_p must be in (0, 1]"),
         ("ok", ["--tp", "2"], "--tp 2 does not divide the number of processes (1)"),
     ],
 )  # fmt: skip

@@ -130,14 +130,17 @@ class CheckpointManager:
     def __init__(
         self, ckpt_cfg, dump_folder, model, optimizer, lr_scheduler, dataloader, train_state,
         dp_degree: int = 1, last_step: int = -1, n_layers: int | None = None,
+        complete_export=None,
     ):  # fmt: skip
         """`n_layers`: the model's blocks on all pipeline stages; a checkpoint of more is
-        refused (None: not checked)."""
+        refused (None: not checked). `complete_export(folder)`, on rank 0 after an HF export's
+        weights and config.json: the tokenizer files and special ids (hf_export)."""
         self.cfg = ckpt_cfg
         self.folder = Path(dump_folder) / ckpt_cfg.folder
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.train_state = dataloader, train_state
         self.dp_degree, self.last_step, self.n_layers = dp_degree, last_step, n_layers
+        self.complete_export = complete_export
         self._last_saved = -1
         self._grace_s = stop_grace_seconds(ckpt_cfg.stop_grace_seconds)
         self._save_started = 0.0  # the save in flight: from its call to its publication
@@ -215,6 +218,8 @@ class CheckpointManager:
         info = {"model_only": True, "format": fmt, "dtype": dtype}
         if fmt == "hf":
             save_hf(self.model, tmp, dtype)
+            if rank() == 0 and self.complete_export is not None:
+                self.complete_export(tmp)
         else:
             state = self._state_to_save(step, model_only=True)
             state["model"] = {k: v.to(DTYPES[dtype]) for k, v in state["model"].items()}

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from titanlite.build import model_args_for_vocab  # noqa: E402
 from titanlite.config import Optimizer  # noqa: E402
 from titanlite.config_parse import parse_args  # noqa: E402
