@@ -47,10 +47,10 @@ def test_each_sources_tokens_hold_its_weight_within_one_sequence(tmp_path, nproc
 
 def blend_samples(tmp_path) -> dict:
     """Steps 1-5's sample ids of the blend, from a loader in this process (dp 1)."""
-    from titanlite.checks import resolve_global_batch
     from titanlite.config_parse import parse_args
     from titanlite.data.loader import build_train_loader
     from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.job import resolve_global_batch
 
     args = [tmp_path / "mix.toml" if a == "debug_model.toml" else a for a in TINY_TRAIN]
     cfg = parse_args([str(a) for a in args])
