@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from titanlite.optim.closure import closure_loss
+
 
 class AdamWBf16States(torch.optim.AdamW):
     """torch's AdamW arithmetic (decoupled decay, bias corrections), one parameter at a time,
@@ -12,10 +14,7 @@ class AdamWBf16States(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

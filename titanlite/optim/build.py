@@ -5,6 +5,7 @@ from collections import defaultdict
 import torch
 
 from titanlite.optim.adamw_bf16 import AdamWBf16States
+from titanlite.optim.closure import closure_loss
 from titanlite.optim.groups import assign_groups
 from titanlite.optim.muon import Muon
 
@@ -39,10 +40,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._hand_over()
         for opt in self.inner.values():
             opt.step()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titanlite.optim.closure import closure_loss
 from titanlite.torch_compat import muon_adjusted_lr, muon_newton_schulz
 
 
@@ -24,10 +25,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         owners = {}  # mesh -> matrices dealt so far, so each rank takes every W-th
         for group in self.param_groups:
             for p in group["params"]:
