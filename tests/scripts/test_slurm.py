@@ -193,6 +193,7 @@ def test_preemption_with_grace_saves_requeues_and_resumes(cluster, tmp_path, uni
     signalled = _wait_log(tmp_path, jid, "Got signal 15")
     saved = _wait_log(tmp_path, jid, "stop requested by signal: saved step")
     exited = _wait_log(tmp_path, jid, "preempted by the scheduler: requeueing")
+    requeued = _wait_log(tmp_path, jid, f"job {jid} run 2:")
     log = _wait_gone(cluster, jid, tmp_path)
 
     assert _job_field(cluster, urgent, "JobState") == "COMPLETED"
@@ -203,5 +204,6 @@ def test_preemption_with_grace_saves_requeues_and_resumes(cluster, tmp_path, uni
     print(
         f"preemption: SIGTERM {signalled - preempted:.1f} s after the urgent job's submission; "
         f"step {step} saved (in {save_s} s) {saved - signalled:.1f} s after the SIGTERM, the "
-        f"job's step gone {exited - signalled:.1f} s after it; grace {GRACE_S} s"
+        f"job's step gone {exited - signalled:.1f} s after it (grace {GRACE_S} s); the requeued "
+        f"job started {requeued - exited:.1f} s later"
     )
