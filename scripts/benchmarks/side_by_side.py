@@ -1,8 +1,10 @@
 """titanlite beside torchtitan v0.2.2 on the GPU present: the same model, data and settings, run
 alternately; tokens/s, peak memory and the ratios.
 
-    # on a GPU (docs/rehearsal.md has the offline setup): Llama 3 8B's block shape and Llama 3.2 1B
-    python scripts/benchmarks/side_by_side.py --torchtitan .tt/v022 --pythonpath /tmp/tt-site
+    # on a GPU: Llama 3 8B's block shape and Llama 3.2 1B, torchtitan 0.2.2 as installed (or
+    # --torchtitan SRC, a folder holding its package; --pythonpath for its packages; the offline
+    # setup is in docs/rehearsal.md)
+    python scripts/benchmarks/side_by_side.py --shapes 8B_4L,1B
     # on a CPU, the plumbing in seconds (the suite runs it)
     python scripts/benchmarks/side_by_side.py --cpu-smoke
 
