@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "scripts" / "benchmarks"
 FRAMEWORKS = ("titanlite", "torchtitan")
 WARMUP_STEPS = 5
+MIN_RUN_S = 30  # --budget: a run needs its start-up and its steps
 GOAL_RATIO = 1.10
 FLAVOR = "side_by_side"  # side_by_side_flavor.FLAVOR (that module imports torchtitan)
 FLAVOR_ENV = "TITANLITE_SIDE_BY_SIDE_ARGS"
@@ -286,6 +287,9 @@ def parse_options(argv: list[str] | None) -> argparse.Namespace:
                     help="documents (4,000 characters each) of the corpus written (default 1000; "
                     "smoke 100)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300, help="seconds before a run is killed")
+    ap.add_argument("--budget", type=float, default=0, help="seconds for the whole script (0: no "
+                    "limit): a run is cut to what is left, and none starts with under "
+                    f"{MIN_RUN_S:.0f} s left")  # fmt: skip
     ap.add_argument("--out", default="outputs/side_by_side", help="folder for the results")
     args = ap.parse_args(argv)
     if args.cpu_smoke and args.shapes is not None:
@@ -301,8 +305,8 @@ def parse_options(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < WARMUP_STEPS + 2:
         ap.error(f"--steps must be at least {WARMUP_STEPS + 2}: steps 1-{WARMUP_STEPS} are "
                  "warm-up, the median needs steps after them")  # fmt: skip
-    if args.repeats < 1 or args.docs < 1 or args.timeout <= 0:
-        ap.error("--repeats, --docs and --timeout must be positive")
+    if args.repeats < 1 or args.docs < 1 or args.timeout <= 0 or args.budget < 0:
+        ap.error("--repeats, --docs and --timeout must be positive, --budget not negative")
     if args.torchtitan and not (Path(args.torchtitan) / "torchtitan" / "train.py").is_file():
         ap.error(f"--torchtitan {args.torchtitan!r} holds no torchtitan/train.py: pass the folder "
                  "that holds the torchtitan package (a v0.2.2 source archive)")  # fmt: skip
@@ -344,7 +348,7 @@ def torchtitan_version(python: str, env: dict) -> tuple[str, str]:
     return version, folder.strip()
 
 
-def run_one(args, shape_name: str, fw: str, rep: int, setup: dict, out: Path) -> dict:
+def run_one(args, shape_name: str, fw: str, rep: int, setup: dict, out: Path, timeout: float):
     shape, tag = args.shapes[shape_name], f"{shape_name}_{fw}_r{rep}"
     dump = out / "runs" / tag
     if fw == "titanlite":
@@ -362,7 +366,7 @@ def run_one(args, shape_name: str, fw: str, rep: int, setup: dict, out: Path) ->
         env = dict(setup["tt_env"], **{FLAVOR_ENV: json.dumps(setup[shape_name]["fields"])})
     t0 = time.perf_counter()
     log = out / "logs" / f"{tag}.log"
-    rc, stamped = run_stamped(cmd, REPO, env | rendezvous, log, args.timeout)
+    rc, stamped = run_stamped(cmd, REPO, env | rendezvous, log, timeout)
     record = {"shape": shape_name, "framework": fw, "repeat": rep, "returncode": rc,
               "wall_s": round(time.perf_counter() - t0, 1), "log": f"logs/{tag}.log",
               "command": cmd}  # fmt: skip
@@ -412,6 +416,7 @@ def write_results(out: Path, meta: dict, runs: list[dict], shapes: list[str]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     args = parse_options(argv)
     import torch
 
@@ -449,7 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(rep, s, fw) for rep in range(1, args.repeats + 1) for s in shapes
             for fw in (FRAMEWORKS if rep % 2 else FRAMEWORKS[::-1])]  # fmt: skip
     for n, (rep, shape, fw) in enumerate(plan, 1):
-        r = run_one(args, shape, fw, rep, setup, out)
+        left = args.budget - (time.monotonic() - start) if args.budget else args.timeout
+        if left < MIN_RUN_S:
+            r = {"shape": shape, "framework": fw, "repeat": rep, "wall_s": 0,
+                 "error": f"not run: {max(left, 0):.0f} s of --budget left"}  # fmt: skip
+        else:
+            r = run_one(args, shape, fw, rep, setup, out, min(args.timeout, left))
         runs.append(r)
         write_results(out, meta, runs, shapes)  # after every run: a killed call keeps its rows
         figure = r["error"] if "error" in r else (

@@ -97,6 +97,7 @@ def test_summary_ratios_and_the_goal():
         (["--shapes", "1B,70B"], "unknown shape(s) 70B; known: 8B_4L, 1B"),
         (["--steps", "6"], "--steps must be at least 7"),
         (["--repeats", "0"], "--repeats, --docs and --timeout must be positive"),
+        (["--budget", "-1"], "--budget not negative"),
         (["--torchtitan", "/"], "--torchtitan '/' holds no torchtitan/train.py"),
         (["--python", "/no/python"], "--python '/no/python' is not an executable file"),
         (["--pythonpath", "/no/site"], "--pythonpath /no/site: not a folder"),
@@ -117,6 +118,15 @@ def test_without_a_gpu_the_gpu_mode_is_one_line(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == (
         "side_by_side: no CUDA device here: run it on a GPU, or --cpu-smoke\n"
     )
+
+
+def test_a_spent_budget_starts_no_run_and_says_so(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert sbs.main(["--cpu-smoke", "--budget", "1", "--out", str(out)]) == 1
+    result = json.loads((out / "side_by_side.json").read_text())
+    assert [r["error"] for r in result["runs"]] == ["not run: 0 s of --budget left"] * 2
+    assert result["summary"]["smoke"]["titanlite"]["failed"] == 1
+    assert not (out / "logs" / "smoke_titanlite_r1.log").exists()
 
 
 @pytest.mark.parametrize(
