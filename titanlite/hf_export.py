@@ -5,7 +5,7 @@ model load it with no manual step.
 The tokenizer: when the run read a Hugging Face tokenizer (model.tokenizer_path naming a
 tokenizer.json or a folder holding one), its files are copied as they are; otherwise (a tiktoken
 encoding or BPE rank file) tokenizer.json is converted from the encoding with the run's ids
-(titanlite.hf_tokenizer). Either way the ids in config.json are the run's tokenizer's.
+(titanlite.data.hf_tokenizer). Either way the ids in config.json are the run's tokenizer's.
 titanlite has no padding token; the export names EOS as one, for batched generation.
 """
 
@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from titanlite.hf_tokenizer import tokenizer_from_tiktoken
+from titanlite.data.hf_tokenizer import tokenizer_from_tiktoken
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
