@@ -67,7 +67,7 @@ def write_tokenizer_files(out: Path, tokenizer, tokenizer_path: str, max_len: in
 
 def write_export_files(out: Path, tokenizer, tokenizer_path: str, max_len: int) -> None:
     """Complete the weights folder `out` (config.json written): tokenizer files, the run's special
-    ids in config.json, generation_config.json."""
+    ids in config.json, generation_config.json (which suppresses the padding ids)."""
     write_tokenizer_files(out, tokenizer, tokenizer_path, max_len)
     ids = {
         "bos_token_id": tokenizer.bos_id,
@@ -77,4 +77,8 @@ def write_export_files(out: Path, tokenizer, tokenizer_path: str, max_len: int) 
     config = json.loads((out / "config.json").read_text())
     # transformers >= 5 names the dtype "dtype"; older ones read "torch_dtype".
     _write_json(out / "config.json", {**config, **ids, "dtype": config["torch_dtype"]})
-    _write_json(out / "generation_config.json", ids)
+    # The vocabulary's padding rows (past the tokenizer's ids) decode to nothing, and titanlite's
+    # generate never chooses them; a barely trained model may still rank one first, so
+    # transformers' generate is told to suppress them too.
+    padding = list(range(tokenizer.n_words, config["vocab_size"]))
+    _write_json(out / "generation_config.json", {**ids, "suppress_tokens": padding or None})
