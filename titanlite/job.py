@@ -83,15 +83,20 @@ def resolve_job(config: JobConfig, world: World) -> Job:
 
 
 def resolve_model(config: JobConfig, vocab_size: int | None = None) -> JobModel:
-    """The run's tokenizer and model args (the vocab padded to shard evenly); with `vocab_size`
-    no tokenizer is built (a cluster's tokenizer file, priced on a laptop)."""
+    """The run's tokenizer and model args (the vocab padded to shard evenly, or the vocab of the
+    Hugging Face checkpoint the run starts from); with `vocab_size` no tokenizer is built (a
+    cluster's tokenizer file, priced on a laptop)."""
     if vocab_size is not None:
         return JobModel(None, model_args_for_vocab(config, vocab_size))
     tokenizer = build_tokenizer(config.model)
     fixed = _fixed_vocab(config.checkpoint)
-    if fixed is not None:
-        check_tokenizer_fits(tokenizer.n_words, *fixed)
-    return JobModel(tokenizer, model_args_for(config, tokenizer))
+    if fixed is None:
+        return JobModel(tokenizer, model_args_for(config, tokenizer))
+    check_tokenizer_fits(tokenizer.n_words, *fixed)
+    # The checkpoint's rows, which may be more than its tokenizer's ids (Qwen3: 151,936 rows
+    # for 151,669 ids): its weights load as they are.
+    args = model_args_for_vocab(config, fixed[0], tokenizer.bos_id, tokenizer.eos_id)
+    return JobModel(tokenizer, args)
 
 
 def _fixed_vocab(ckpt: Checkpoint) -> tuple[int, str] | None:
