@@ -5,9 +5,10 @@ Reading. BOS and EOS are the `bos_token`/`eos_token` of the `tokenizer_config.js
 model with no BOS, as Qwen's, uses its EOS for both, as a named tiktoken encoding does). Text is
 encoded with special-token strings as plain text, as tiktoken's encode_ordinary does, and without
 the tokenizer's own template: the loader adds BOS and EOS itself. A byte-level BPE whose split
-pattern is one tiktoken runs alike (`SPLIT_PATTERNS`) and whose merges follow its ranks is run by
-tiktoken, 4-8x faster than the `tokenizers` library on the same text, with the same ids (tests:
-tests/data/test_hf_tokenizer.py); any other tokenizer.json runs through `tokenizers`.
+pattern is one both regex engines run alike (`split_patterns`) and whose merges follow its ranks
+is run by tiktoken, faster than the `tokenizers` library on the same text, with the same ids
+(tests/data/test_hf_tokenizer.py; docs/data.md has the conditions and figures); any other
+tokenizer.json runs through `tokenizers`.
 
 Writing. tiktoken merges, inside each piece its regex splits the text into, the adjacent pair
 whose concatenation has the lowest rank, and takes a piece that is itself a token whole. A
@@ -172,16 +173,9 @@ class TiktokenJson(Tokenizer):
                                    disallowed_special=())  # fmt: skip
         return self._wrap(ids, bos, eos)
 
-    def encode_array(self, text: str, bos: bool, eos: bool) -> np.ndarray:
-        ids = self.encoding.encode_to_numpy(self._normal(text), allowed_special=self.added,
-                                            disallowed_special=())  # fmt: skip
-        out = np.empty(bos + len(ids) + eos, dtype=np.uint32)
-        out[bos : bos + len(ids)] = ids
-        if bos:
-            out[0] = self.bos_id
-        if eos:
-            out[-1] = self.eos_id
-        return out
+    def _id_array(self, text: str) -> np.ndarray:
+        return self.encoding.encode_to_numpy(self._normal(text), allowed_special=self.added,
+                                             disallowed_special=())  # fmt: skip
 
 
 def _split_pattern(spec: dict) -> str | None:
