@@ -246,13 +246,14 @@ def _merges_follow_ranks(vocab: dict[str, int], merges: list, added: set[int]) -
     return all(len(s) < 2 or i in made or i in added for s, i in vocab.items())
 
 
+def _added(spec: dict) -> dict[str, int]:
+    return {a["content"]: a["id"] for a in spec.get("added_tokens", [])}
+
+
 def _as_tiktoken(spec: dict, name: str):
-    """(tiktoken.Encoding, added non-special tokens, NFC?) or a string saying why not."""
-    why = _why_not_tiktoken(spec)
-    if why is not None:
-        return why
-    vocab = spec["model"]["vocab"]
-    added = {a["content"]: a["id"] for a in spec.get("added_tokens", [])}
+    """(tiktoken.Encoding, added non-special tokens, NFC?) or a string saying why not, for a
+    `spec` that _why_not_tiktoken passed."""
+    vocab, added = spec["model"]["vocab"], _added(spec)
     ranks = _ranks(vocab)
     if ranks is None:
         return "its vocabulary is not byte-level (GPT-2's alphabet) or lacks single bytes"
@@ -370,17 +371,14 @@ def build_hf_tokenizer(path: str, limit: int) -> Tokenizer:
     raw, spec = _read(path, file)
     digest = hashlib.sha256(raw).hexdigest()
     name = f"{file.name}-{digest[:12]}"
-    fast = _as_tiktoken(spec, name)
-    if isinstance(fast, str):
-        logger.info("%s runs through the tokenizers library (slower): %s", file, fast)
-        hub = _hub_tokenizer(raw, path, file)
-        token_to_id = hub.token_to_id
-    else:
-        encoding, added, nfc = fast
-        added_ids = {a["content"]: a["id"] for a in spec["added_tokens"]}
-        token_to_id = {**spec["model"]["vocab"], **added_ids}.get  # as tokenizers' token_to_id
+    why = _why_not_tiktoken(spec)  # the cheap checks first: config mistakes come before work
+    hub = None if why is None else _hub_tokenizer(raw, path, file)
+    token_to_id = hub.token_to_id if hub else {**spec["model"]["vocab"], **_added(spec)}.get
     bos, eos = _special_ids(token_to_id, file.parent / CONFIG_FILE, path)
     identity = f"hf-tokenizer:{digest}:bos={bos}:eos={eos}"  # the ids, whichever library runs
-    if isinstance(fast, str):
-        return HFTokenizer(hub, bos, eos, identity, name)
-    return TiktokenJson(encoding, bos, eos, identity, added, nfc)
+    fast = why or _as_tiktoken(spec, name)
+    if not isinstance(fast, str):
+        return TiktokenJson(fast[0], bos, eos, identity, *fast[1:])
+    logger.info("%s runs through the tokenizers library (slower): %s", file, fast)
+    hub = hub or _hub_tokenizer(raw, path, file)
+    return HFTokenizer(hub, bos, eos, identity, name)
