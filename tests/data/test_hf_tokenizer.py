@@ -40,7 +40,7 @@ def hf_folder(tmp_path_factory):
     """cl100k's ranks -> tokenizer.json by transformers' converter. The split pattern is
     Llama 3's, cl100k's without possessive quantifiers: the converter copies a pattern verbatim
     and the Oniguruma regex of `tokenizers` reads cl100k's `\\p{N}{1,3}+` as 'one or more runs of
-    1-3 digits' (docs/mixtures.md), so numbers of 4+ digits would split otherwise."""
+    1-3 digits' (docs/data.md), so numbers of 4+ digits would split otherwise."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     folder = tmp_path_factory.mktemp("hf")
