@@ -245,6 +245,17 @@ def check_job(
         check_pipeline_options(cfg)
 
 
+def check_tokenizer_fits(n_words: int, vocab_size: int, where: str) -> None:
+    """The tokenizer's ids must be rows of a vocabulary the run does not size itself (a
+    checkpoint it starts from): a larger one would index past the embedding."""
+    if n_words > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {n_words} ids but the model's vocabulary ({where}) has "
+            f"{vocab_size} rows: set model.tokenizer_path to the model's own tokenizer (at most "
+            f"{vocab_size} ids), or start from a checkpoint with at least {n_words} rows"
+        )
+
+
 def check_run(cfg: JobConfig, parallel_dims: ParallelDims, model_args, device: torch.device):
     """The checks of a real run after check_job: those that need this run's device (the dry
     run, whose CPU plays the job's GPUs, skips them), then the output folders."""
