@@ -54,10 +54,10 @@ def check_mixture(t: Training, val: Validation) -> None:
             "which packed samples of a token store hold seq_len each of"
         )
     stage_weights(t)  # its own errors
-    if val.enable and not val.dataset_path:
+    if val.enable and not val.dataset_path and not any(m.validation_path for m in t.mixture):
         raise ConfigError(
-            f"validation of a {where} needs validation.dataset_path (the loss of one blend of "
-            "held-out data is not defined per source yet)"
+            f"validation of a {where} needs validation.dataset_path (val_loss) or a source's "
+            "validation_path (val_loss/<name>): held-out data is not drawn from a blend"
         )
 
 
