@@ -9,7 +9,9 @@ interleaved so that load changes on a shared machine hit both alike:
 - `sources`: the same with the rows' sources, including what the trainer adds every step
   (StepSources: one-hot rows, host token counts) and the loader thread's blend walk for the
   step's rows (MixtureOrder.sources, timed apart: it runs beside the model, not in the step);
-and per log step the extra host read of source_losses (one process: no collective).
+and apart, the added work alone (StepSources and the per-source sums of a step's per-token
+losses, `by_source`), which on a loaded machine is measurable where the step's difference is
+noise; per log step the extra host read of source_losses (one process: no collective).
 --chunk-tokens N times the chunked loss instead of the plain one.
 """
 
@@ -24,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from titanlite.data.mixture import MixtureOrder, Part  # noqa: E402
+from titanlite.loss import by_source  # noqa: E402
 from titanlite.models.llama.args import get_model_args  # noqa: E402
 from titanlite.models.llama.model import Transformer  # noqa: E402
 from titanlite.source_loss import StepSources, source_losses  # noqa: E402
@@ -56,7 +59,8 @@ def main(argv=None) -> int:
     scale = torch.tensor(1.0 / host.numel(), device=device)
     order = blend(a.sources)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    times = {"plain": [], "sources": [], "walk": [], "log read": []}
+    times = {"plain": [], "sources": [], "walk": [], "log read": [], "added": []}
+    token_losses = torch.rand(host.numel(), device=device)
     for step in range(a.steps + 1):  # the first of each: warm-up, not kept
         sync()
         t0 = time.perf_counter()
@@ -73,19 +77,25 @@ def main(argv=None) -> int:
         t3 = time.perf_counter()
         source_losses([f"s{k}" for k in range(a.sources)], sums[1:], sources.tokens)
         t4 = time.perf_counter()
+        added = StepSources(rows, [(host, labels)], a.sources, device)
+        by_source(token_losses, host, added.rows[0])
+        sync()
+        t5 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         if step:
             times["plain"].append(t1 - t0)
             times["walk"].append(t2 - t1)
             times["sources"].append(t3 - t2)
             times["log read"].append(t4 - t3)
+            times["added"].append(t5 - t4)
     plain, extra = statistics.median(times["plain"]), statistics.median(times["sources"])
     print(f"debug shape: batch {a.batch} x seq {a.seq_len}, {a.sources} sources, "
           f"chunk_tokens {a.chunk_tokens}, {a.steps} steps each, medians:")  # fmt: skip
     print(f"  forward+backward, one source:        {plain * 1e3:9.2f} ms")
     print(f"  forward+backward, per-source sums:    {extra * 1e3:9.2f} ms "
           f"({100 * (extra - plain) / plain:+.2f}%)")  # fmt: skip
-    walk, read = (statistics.median(times[k]) * 1e3 for k in ("walk", "log read"))
+    walk, read, added = (statistics.median(times[k]) * 1e3 for k in ("walk", "log read", "added"))
+    print(f"  added work alone (rows, sums):        {added:9.3f} ms")
     print(f"  blend walk of the step's rows:        {walk:9.3f} ms (loader thread)")
     print(f"  log step: source_losses host read:    {read:9.3f} ms")
     return 0
