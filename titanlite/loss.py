@@ -33,10 +33,11 @@ WHOLE_VOCAB = VocabShard(0, lambda t: t, lambda t: t)
 
 def by_source(token_losses: torch.Tensor, labels: torch.Tensor, row_sources: torch.Tensor):
     """Per-source sums of per-token losses [N] (0 where ignored), detached: each row's sum
-    [b] times the rows' one-hot sources [b, n] -> [n]. A plain tensor also under loss parallel
-    (every TP rank holds every token's loss)."""
+    [b] times the rows' one-hot sources [b, n] -> [n] (fp32: FSDP casts a forward's float
+    inputs, these too, to the compute dtype; 0 and 1 survive it). A plain tensor also under
+    loss parallel (every TP rank holds every token's loss)."""
     local = token_losses.to_local() if hasattr(token_losses, "to_local") else token_losses
-    return local.detach().view(labels.shape[0], -1).sum(1) @ row_sources
+    return local.detach().view(labels.shape[0], -1).sum(1) @ row_sources.float()
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, row_sources=None):
