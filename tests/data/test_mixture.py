@@ -141,6 +141,8 @@ def test_resume_at_another_dp_degree_continues_the_blend(
         ('name = "a"\nweight = 1', "'a' needs a dataset_path"),
         ('name = "a"\ndataset_path = "x"\nwieght = 1', "unknown key 'wieght'; did you mean weight"),
         ('name = "a"\ndataset_path = "x"\nweight = "high"', "weight expects a float"),
+        ('name = "a/b"\ndataset_path = "x"\nweight = 1', "name 'a/b' would collide in the"),
+        ('name = "global"\ndataset_path = "x"\nweight = 1', "neither 'global' nor 'validation'"),
     ],
 )
 def test_bad_mixtures_are_one_line_before_any_work(tmp_path, tables, error):
