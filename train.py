@@ -114,7 +114,7 @@ def pipeline_forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0
                               **_) -> torch.Tensor:  # fmt: skip
     """forward_backward through the pipeline: each microbatch is one schedule step, which splits
     it into pipeline microbatches and scales each one's summed loss by `loss_scale` (0 is
-    returned on ranks without the last stage)."""
+    returned on ranks without the last stage; with `sources`, [1 + n] as forward_backward's)."""
     loss_sum = torch.zeros(() if sources is None else 1 + sources.n, device=loss_scale.device)
     for i, (tokens, labels) in enumerate(microbatches):
         by = {} if sources is None else {"row_sources": sources.rows[i]}
