@@ -144,6 +144,7 @@ class MixtureSource:
     dataset_path: str = opt("", "Its files/globs or prepared tokens, as training.dataset_path")
     weight: float = opt(0.0, "Its share of the training tokens (weights are normalized)")
     text_column: str = opt("text", "Column holding its document text")
+    validation_path: str = opt("", "Its held-out files: val_loss/<name> ('' = none)")
 
 
 @dataclass

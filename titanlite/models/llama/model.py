@@ -326,8 +326,11 @@ class Transformer(nn.Module):
         chunk_tokens: int = 0,
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        row_sources: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab], or with labels the fp32 summed cross-entropy.
+        """tokens [b, s] -> logits [b, s, vocab], or with labels the fp32 summed cross-entropy
+        (with row_sources, the rows' one-hot sources [b, n] of a mixture: that sum and the
+        per-source sums [n], titanlite/loss.py).
         (A part without tok_embeddings takes hidden states [b, s, dim] as `tokens`; one without
         output returns its hidden states.)
 
@@ -360,6 +363,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if labels is None:
             return self.output(h)
+        by = {} if row_sources is None else {"row_sources": row_sources}
         if chunk_tokens > 0:
-            return self.chunked_loss(h, self.output.weight, labels, chunk_tokens)
-        return self.plain_loss(self.output(h), labels)
+            return self.chunked_loss(h, self.output.weight, labels, chunk_tokens, **by)
+        return self.plain_loss(self.output(h), labels, **by)

@@ -69,9 +69,11 @@ def keep_tp_boundaries_local(stage: nn.Module, tp_mesh: DeviceMesh, first: bool,
 def loss_as_vector(_module, _args, loss_sum):
     """The last stage's output, a microbatch's summed loss, as a plain [1] tensor: the schedule
     concatenates its outputs, which a 0-d tensor (or a replicated DTensor under loss parallel)
-    cannot be; `return_outputs=False`, which skips that, is missing from older torch."""
+    cannot be; `return_outputs=False`, which skips that, is missing from older torch. With a
+    mixture's row sources the output is (sum, per-source sums [n]): then a [1 + n] tensor."""
+    loss_sum, by_source = loss_sum if isinstance(loss_sum, tuple) else (loss_sum, None)
     local = loss_sum.to_local() if isinstance(loss_sum, DTensor) else loss_sum
-    return local.reshape(1)
+    return local.reshape(1) if by_source is None else torch.cat([local.reshape(1), by_source])
 
 
 class ScaledLoss:
@@ -84,13 +86,16 @@ class ScaledLoss:
 
     def __call__(self, loss_sum, _target):
         self.sums.append(loss_sum.detach())
-        return loss_sum.sum() * self.scale
+        return loss_sum[0] * self.scale  # [1 + n] with a mixture's per-source sums after it
 
     def take(self, microbatches: int) -> torch.Tensor | None:
         """The summed loss of the last `microbatches` calls (the first step also infers the
-        stages' shapes with a forward whose loss is not a microbatch's), or None."""
+        stages' shapes with a forward whose loss is not a microbatch's), or None; with per-source
+        sums, the [1 + n] vector of their sums."""
         sums, self.sums = self.sums[-microbatches:], []
-        return torch.cat(sums).sum() if sums else None
+        if not sums:
+            return None
+        return torch.cat(sums).sum() if len(sums[0]) == 1 else torch.stack(sums).sum(0)
 
 
 class _Stage(pipeline_stage_base()):
@@ -163,7 +168,7 @@ class PipelinedModel(nn.Module):
         zero-bubble backward looks up a grad_fn for every stage input, and an int has none."""
         return args, {**kwargs, "chunk_tokens": self.chunk_tokens}
 
-    def _run(self, run, tokens, labels, chunk_tokens) -> torch.Tensor:
+    def _run(self, run, tokens, labels, chunk_tokens, row_sources=None) -> torch.Tensor:
         inputs = (tokens,) if self.has_first else ()
         self.chunk_tokens = chunk_tokens
         # Every stage is given the microbatch's labels (the last for its loss, context
@@ -171,15 +176,21 @@ class PipelinedModel(nn.Module):
         # states cannot tell where documents end.
         documents = self._stages[0].documents(tokens)
         masks = {} if documents is None else {"documents": documents}
+        if row_sources is not None:  # split into pipeline microbatches with the rows
+            masks["row_sources"] = row_sources
         run(*inputs, target=labels, labels=labels, **masks)
         loss_sum = self.loss.take(self.microbatches)
-        return torch.zeros((), device=self.device) if loss_sum is None else loss_sum
+        if loss_sum is None:  # no last stage here
+            shape = () if row_sources is None else (1 + row_sources.shape[1],)
+            return torch.zeros(shape, device=self.device)
+        return loss_sum
 
-    def forward_backward(self, tokens, labels, loss_scale, chunk_tokens=0) -> torch.Tensor:
+    def forward_backward(self, tokens, labels, loss_scale, chunk_tokens=0, row_sources=None):
         """One accumulation microbatch through the schedule, every pipeline microbatch's summed
-        loss times `loss_scale`; returns this rank's summed loss (0 without the last stage)."""
+        loss times `loss_scale`; returns this rank's summed loss (0 without the last stage), with
+        `row_sources` ([b, n] one-hot) a [1 + n] tensor: the sum, then the per-source sums."""
         self.loss.scale = loss_scale
-        return self._run(self.schedule.step, tokens, labels, chunk_tokens)
+        return self._run(self.schedule.step, tokens, labels, chunk_tokens, row_sources)
 
     def forward(self, tokens, labels, chunk_tokens=0) -> torch.Tensor:
         return self._run(self.schedule.eval, tokens, labels, chunk_tokens)
