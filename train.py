@@ -109,6 +109,7 @@ def pipeline_forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0
     for tokens, labels in microbatches:
         with context():
             loss_sum += model.forward_backward(tokens, labels, loss_scale, chunk_tokens)
+    model.reduce_tied_grads()
     return loss_sum
 
 

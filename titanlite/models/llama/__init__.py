@@ -21,11 +21,13 @@ def pipeline_llama(model, plan, parallel_dims, prepare_stage, device) -> nn.Modu
     # (~0.5 s on a 2-core CPU), which the planner, the estimator and the job checks, importing
     # this family, do not need. (A training run loads torch._dynamo anyway: torch's optimizers
     # do at their first step.)
-    from titanlite.models.llama.pipeline import PipelinedModel, cut_stages
+    from titanlite.models.llama.pipeline import PipelinedModel, cut_stages, tied_group
 
     pd = parallel_dims
     ids, stages = cut_stages(model, plan, pd.pp_mesh, pd.tp_mesh)
-    return PipelinedModel([prepare_stage(s) for s in stages], ids, plan, pd.pp_mesh, device)
+    tied = tied_group(pd.world_mesh, pd.pp_mesh) if model.args.tie_embeddings else None
+    stages = [prepare_stage(s) for s in stages]
+    return PipelinedModel(stages, ids, plan, pd.pp_mesh, device, tied)
 
 
 LLAMA3 = register(

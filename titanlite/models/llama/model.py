@@ -352,7 +352,8 @@ class Transformer(nn.Module):
         mask = self.attention_mask(documents, positions)
         # A pipeline stage cut from this model may lack the embedding (it is given the previous
         # stage's hidden states) or the head (it returns its hidden states).
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # [b, s, dim]
+        # (The last stage of a tied output keeps the embedding for its weight only.)
+        h = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)  # [b, s, dim]
         for layer in self.layers.values():
             h = layer(h, rope_cache, mask)
         if self.output is None:
