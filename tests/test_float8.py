@@ -14,8 +14,8 @@ import train
 from titanlite.config_parse import parse_args
 from titanlite.float8 import FLOAT8, maybe_convert_float8, tp_styles
 from titanlite.models import get_family
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
 
 F8 = ["--model.converters", FLOAT8, "--quantize.linear.float8.emulate"]
 BLOCK_LINEARS = [f"attention.{w}" for w in ("wq", "wk", "wv", "wo")] + [

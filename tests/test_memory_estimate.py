@@ -174,9 +174,9 @@ def test_compiled_block_saves_what_the_estimate_counts(option, monkeypatch):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
-    import titanlite.models.llama.model as model_module
+    import titanlite.models.decoder.model as model_module
     from titanlite.models import kernels
-    from titanlite.models.llama.parallelize import apply_ac, apply_compile
+    from titanlite.models.decoder.parallelize import apply_ac, apply_compile
 
     monkeypatch.setattr(kernels, "native_gqa", lambda device: True)  # as on a GPU
     args = replace(ARGS, n_kv_heads=2, n_layers=1)

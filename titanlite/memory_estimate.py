@@ -168,7 +168,7 @@ class MemorySetup:
 
     @property
     def fsdp(self) -> bool:
-        # parallelize_llama applies FSDP with data or context parallelism, a compute dtype
+        # parallelize_decoder applies FSDP with data or context parallelism, a compute dtype
         # below fp32, or CPU offload.
         sharded = self.dp_shard * self.cp > 1 or self.dp_replicate > 1
         return sharded or self.param_dtype != "float32" or self.cpu_offload

@@ -31,8 +31,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanlite.float8 import tp_styles
 from titanlite.loss import cross_entropy_sum
-from titanlite.models.llama.context_parallel import cp_attention, split_inputs
-from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
+from titanlite.models.decoder.context_parallel import cp_attention, split_inputs
+from titanlite.models.decoder.tp_loss import tp_linear_cross_entropy_sum
 from titanlite.models.tiled_init import fill_
 from titanlite.parallel_dims import ParallelDims
 from titanlite.torch_compat import (
@@ -45,7 +45,7 @@ from titanlite.torch_compat import (
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def parallelize_llama(
+def parallelize_decoder(
     model: nn.Module,
     parallel_dims: ParallelDims,
     *,
