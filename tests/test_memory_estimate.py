@@ -415,6 +415,18 @@ def test_pp_ranks_hold_their_stages_and_the_ends_the_root_parts():
     assert activation_bytes(gpipe) == pytest.approx(per_mb * 4 + grads)
 
 
+def test_a_tied_outputs_last_stage_holds_a_copy_of_the_embedding():
+    tied = replace(ARGS, tie_embeddings=True)
+    c = param_counts(tied)
+    block = c["block_split"] + c["block_replicated"]
+    assert c["output"] == 0
+    first, last = (replace(pp_setup(), model_args=tied, pp_rank=r) for r in (0, 1))
+    assert estimate(first).rows["params (fp32, sharded)"] == (block + c["embedding"]) * 4
+    assert estimate(last).rows["params (fp32, sharded)"] == (block + c["embedding"] + c["norm"]) * 4
+    one = setup(model_args=tied, param_dtype="float32")
+    assert estimate(one).rows["params (fp32, sharded)"] == c["total"] * 4  # held once
+
+
 def test_pp_fsdp_holds_the_stage_gradient_in_fp32_until_the_last_microbatch():
     """torch's pipeline stage syncs FSDP's gradients once, after the last microbatch: the
     stage's whole unsharded gradient accumulates in fp32, beside the bf16 gradients not yet

@@ -272,9 +272,13 @@ def _block_held(counts: dict[str, int], s: MemorySetup) -> float:
 
 def _root_held(counts: dict[str, int], s: MemorySetup) -> tuple[float, float]:
     """Elements of the (embedding, final norm + output) this rank holds after TP: 0 for a part
-    on another pipeline stage."""
+    on another pipeline stage. A tied output has no weight of its own, but a last stage without
+    the embedding holds a copy of it."""
+    output = counts["output"]
+    if s.model_args.tie_embeddings and not s.share.embedding:
+        output = counts["embedding"]
     embedding = counts["embedding"] / s.tp if s.share.embedding else 0.0
-    head = counts["output"] / s.tp + counts["norm"] if s.share.head else 0.0
+    head = output / s.tp + counts["norm"] if s.share.head else 0.0
     return embedding, head
 
 
