@@ -1,5 +1,5 @@
 """Real train.py runs with emulated float8 on the CPU: it learns and stays near fp32 (Llama's and
-Qwen3's tied flavor), FSDP (float8 all-gather) and TP give one process's losses, and the
+Qwen3's debug model), FSDP (float8 all-gather) and TP give one process's losses, and the
 all-gather run's checkpoints are plain and resume."""
 
 import pytest
@@ -9,8 +9,9 @@ from test_float8 import AG, F8, SET
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 TINY = [*TINY_TRAIN, "--training.steps", "4"]  # 8 rows x 32 tokens = 256 target tokens a step
-# Qwen3's tied flavor: QK-norm beside the float8 linears, its output (the embedding) kept high.
-QWEN3 = [*TINY, "--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
+# Qwen3: QK-norm between the float8 q/k projections and RoPE (measured: losses within 1.5e-3,
+# grad norms within 1.1e-3 relative, of fp32 over 4 steps).
+QWEN3 = [*TINY, "--model.name", "qwen3", "--model.flavor", "debugmodel"]
 TOKENS = 256
 # Bounds of emulated float8 against fp32, loose on purpose: they catch breakage, the layout
 # tests below are the tight ones. e4m3 keeps 3 mantissa bits, so each forward matmul operand is
