@@ -8,6 +8,10 @@ a whole model (TP, AC, compile, FSDP). The last stage returns each pipeline micr
 cross-entropy, and the schedule's loss function only multiplies it by 1 / (the step's target
 tokens): the schedule runs with scale_grads=False, so the gradients are those of the step's
 mean loss with no pass over them. Which layers each stage holds is planned in pipeline_plan.py.
+
+A tied output (the output projection by the embedding's weight) keeps a copy of that weight on
+the last stage, under the same name: its gradient is summed with the first stage's once a step
+(reduce_tied_grads), so the two copies, drawn alike, step alike.
 """
 
 import copy
