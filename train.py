@@ -120,6 +120,7 @@ def pipeline_forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0
         by = {} if sources is None else {"row_sources": sources.rows[i]}
         with context():
             loss_sum += model.forward_backward(tokens, labels, loss_scale, chunk_tokens, **by)
+    model.reduce_tied_grads()
     return loss_sum
 
 

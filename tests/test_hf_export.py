@@ -16,8 +16,8 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.eval.generate import Sampling, generate
 from titanlite.hf_export import write_tokenizer_files
 from titanlite.models import pad_vocab
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 

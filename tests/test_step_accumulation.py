@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from numerics import rel
 
 import train
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
 
 
 def naive_batch(vocab: int, gen: torch.Generator):

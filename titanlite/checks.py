@@ -29,7 +29,7 @@ from titanlite.data.prepared import is_prepared
 from titanlite.data.sources import HUB_DATASETS
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
-from titanlite.models.pipeline_plan import canonical_schedule
+from titanlite.models.pipeline_plan import V_SHAPED, canonical_schedule
 from titanlite.optim.groups import check_param_groups, parse_rule
 from titanlite.parallel_dims import ParallelDims
 
@@ -240,9 +240,16 @@ def check_job(
         check_param_groups(cfg.optimizer, get_family(cfg.model.name).model_cls(model_args))
     # A typo fails with PP off too.
     p = cfg.parallelism
-    canonical_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
+    schedule = canonical_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     if parallel_dims.pp_enabled:
         check_pipeline_options(cfg)
+        if model_args.tie_embeddings and schedule in V_SHAPED:
+            # Its first and last stage share a rank as two modules, each FSDP's own root.
+            raise ConfigError(
+                f"a tied output (this flavor's) cannot train under the V-shaped pipeline "
+                f"schedule {schedule}: choose another parallelism.pipeline_parallel_schedule "
+                f"or an untied flavor"
+            )
 
 
 def check_tokenizer_fits(n_words: int, vocab_size: int, where: str) -> None:

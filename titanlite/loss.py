@@ -20,7 +20,7 @@ class VocabShard(NamedTuple):
     with the processes holding the rest of the vocabulary (in place, returning the tensor).
 
     The loss knows nothing of ranks: tensor parallelism passes a shard whose reductions are
-    all-reduces over its group (models/llama/tp_loss.py); one process holds the whole vocab.
+    all-reduces over its group (models/decoder/tp_loss.py); one process holds the whole vocab.
     """
 
     vocab_start: int

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from titanlite.models.decoder.model import Transformer
+from titanlite.models.decoder.pipeline import PipelinedModel, cut_stage
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.pipeline import PipelinedModel, cut_stage
 from titanlite.models.pipeline_plan import plan_pipeline, split_layers
 
 

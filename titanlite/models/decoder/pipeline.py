@@ -8,11 +8,16 @@ a whole model (TP, AC, compile, FSDP). The last stage returns each pipeline micr
 cross-entropy, and the schedule's loss function only multiplies it by 1 / (the step's target
 tokens): the schedule runs with scale_grads=False, so the gradients are those of the step's
 mean loss with no pass over them. Which layers each stage holds is planned in pipeline_plan.py.
+
+A tied output (the output projection by the embedding's weight) keeps a copy of that weight on
+the last stage, under the same name: its gradient is summed with the first stage's once a step
+(reduce_tied_grads), so the two copies, drawn alike, step alike.
 """
 
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining.schedules import (
@@ -21,6 +26,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from titanlite.distributed import local_value
 from titanlite.models.pipeline_plan import PipelinePlan
 from titanlite.torch_compat import csv_schedule, pipeline_stage_base
 
@@ -45,7 +51,8 @@ def cut_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Mo
     for key in list(stage.layers.keys()):
         if int(key) not in layers:
             del stage.layers[key]
-    if not first:
+    if not first and not (last and model.args.tie_embeddings):
+        # (A tied output reads the embedding's weight: the last stage keeps its own copy.)
         stage.tok_embeddings = None
     if not last:
         stage.norm = stage.output = None
@@ -119,7 +126,9 @@ class PipelinedModel(nn.Module):
     output), so state-dict keys do not depend on the layout. Training runs `forward_backward`;
     calling it runs the schedule forward only (validation)."""
 
-    def __init__(self, stages, stage_ids, plan: PipelinePlan, pp_mesh: DeviceMesh, device):
+    def __init__(
+        self, stages, stage_ids, plan: PipelinePlan, pp_mesh: DeviceMesh, device, tied_group=None
+    ):
         super().__init__()
         self.layers = nn.ModuleDict()
         for stage in stages:
@@ -130,6 +139,12 @@ class PipelinedModel(nn.Module):
                     setattr(self, name, child)
         self._stages = stages  # a plain list: not submodules, so names stay the whole model's
         self.args = stages[0].args
+        # A tied output's weight is the embedding's on the first stage and a copy on the last:
+        # `tied_group` holds the ranks of both (None: no tie between stages on this rank).
+        self.tied_group = tied_group
+        self._tied = [self.tok_embeddings.weight] if tied_group is not None else []
+        if tied_group is not None and 0 not in stage_ids:
+            self._tied[0].counted_on_another_stage = True  # the grad norm counts it once
         self.has_first, self.microbatches = 0 in stage_ids, plan.microbatches
         group = pp_mesh.get_group()
         self.chunk_tokens = 0
@@ -150,6 +165,18 @@ class PipelinedModel(nn.Module):
                 loss_fn=self.loss, scale_grads=False,
             )  # fmt: skip
         self.device = device
+
+    def reduce_tied_grads(self) -> None:
+        """After the step's last backward: the tied weight's gradient summed over its copies on
+        the first and last stage (the embedding's part and the output's), so both step alike
+        from the same initial weights and stay equal."""
+        for weight in self._tied:
+            grad = weight.grad
+            if isinstance(grad, DTensor) and grad.placements != weight.placements:
+                # TP's embedding lookup leaves a replicated gradient of its vocab-sharded weight
+                # (the output's is sharded): each copy takes its own shard first.
+                grad = weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
+            dist.all_reduce(local_value(grad), group=self.tied_group)
 
     def param_init(self, name: str):
         return self._stages[0].param_init(name)
@@ -194,3 +221,17 @@ class PipelinedModel(nn.Module):
 
     def forward(self, tokens, labels, chunk_tokens=0) -> torch.Tensor:
         return self._run(self.schedule.eval, tokens, labels, chunk_tokens)
+
+
+def tied_group(world_mesh: DeviceMesh, pp_mesh: DeviceMesh):
+    """The process group of this rank and its peer at the other end of a tied output: the
+    ranks of the first stage (pipeline rank 0) and of the last (pipeline rank pp - 1, except
+    in V-shaped schedules, which checks.py refuses with a tie) that share this rank's other
+    mesh coordinates; None on a rank holding neither. Every rank calls it (it may make groups)."""
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    if pp == 2:  # the pipeline group is the pair
+        return pp_mesh.get_group()
+    ranks = world_mesh.mesh  # global ranks by (pp, dp_replicate, dp_shard, cp, tp)
+    pairs = torch.stack([ranks[0].flatten(), ranks[-1].flatten()], dim=1).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group if rank in (0, pp - 1) else None
