@@ -65,6 +65,16 @@ HUB_DATASETS = {
 DATASET_CHOICES = ("python_stdlib", "local", *HUB_DATASETS)
 
 
+@dataclass(frozen=True)
+class LocalFiles:
+    """The files of a local source, for readers that read them without `datasets`
+    (`titanlite.data.units`): (builder, files) runs in path order."""
+
+    runs: list[tuple[str, list[Path]]]
+    text_column: str
+    max_bad_rows: int
+
+
 @dataclass
 class TextSource:
     """A named stream of documents. `fingerprint` identifies the exact content (file list, sizes,
@@ -78,6 +88,7 @@ class TextSource:
     # Map-style with training.dataset_max_bad_rows: the bad rows of the last documents() pass.
     skipped: SkippedRows | None = field(default=None, repr=False)
     where: str = ""  # what the run reads, as its first log lines say it (`describe`)
+    local: LocalFiles | None = field(default=None, repr=False)  # local files, not streamed
 
     def describe(self) -> str:
         return f"{self.name}: {self.where}" if self.where else self.name
@@ -327,7 +338,8 @@ def local_source(
         rows = chain.from_iterable(_row_dicts(fs, b, text_column) for b, fs in runs)
         return skip_bad(rows, source.skipped)
 
-    source = TextSource(name, fingerprint, False, documents, where=described)
+    local = LocalFiles(runs, text_column, max_bad_rows)
+    source = TextSource(name, fingerprint, False, documents, where=described, local=local)
     return source
 
 
