@@ -38,29 +38,19 @@ from titanlite.data.sources import (  # noqa: E402
     expand_paths,
     format_runs,
     local_source,
-    open_local,
     stdlib_files,
 )
 from titanlite.data.store import MANIFEST, TokenStore  # noqa: E402
 from titanlite.data.store_build import build_store  # noqa: E402
-from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
+from titanlite.data.units import count_rows  # noqa: E402
 from titanlite.progress import Progress  # noqa: E402
 
 
 def expected_documents(t: Training) -> int | None:
     """The source's row count where it is known without tokenizing, for the time left (an upper
-    bound: empty texts are skipped); None for a hub stream, or for files read row by row
-    (training.dataset_max_bad_rows), which would be read twice."""
+    bound: empty texts are skipped); None for a hub stream, or where only a parse would tell."""
     if t.dataset_path:
-        runs = format_runs(expand_paths(t.dataset_path))
-        if t.dataset_max_bad_rows and any(b != "text" for b, _ in runs):
-            return None
-        # Text files hold one document each; the others: the same map-style load the source
-        # itself reads (Arrow cache reused).
-        return sum(
-            len(fs) if b == "text" else len(open_local(fs, b, t.dataset_text_column))
-            for b, fs in runs
-        )
+        return count_rows(format_runs(expand_paths(t.dataset_path)))
     if t.dataset in HUB_DATASETS:  # and no dataset_path, which would win over it
         return None
     return len(stdlib_files()[1])
@@ -137,6 +127,7 @@ def _main(argv: list[str]) -> int:
     # checks import torch (~2.5 s of CPU and ~250 MB per worker) that tokenizing never uses.
     from titanlite.checks import check_options, check_writable
     from titanlite.config_parse import exit_on_help, parse_args
+    from titanlite.job import resolve_model
 
     exit_on_help(argv, __doc__)
 
@@ -153,7 +144,7 @@ def _main(argv: list[str]) -> int:
     t = cfg.training
     if is_prepared(t.dataset_path):
         raise SystemExit(f"{t.dataset_path} is already prepared: train with it as dataset_path")
-    tokenizer = build_tokenizer(cfg.model)
+    tokenizer = resolve_model(cfg).tokenizer  # as train.py resolves it
     source = build_source(
         t.dataset, t.dataset_path, t.dataset_text_column, max_bad_rows=t.dataset_max_bad_rows
     )
