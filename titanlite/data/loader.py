@@ -34,7 +34,7 @@ from titanlite.config import ConfigError, DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import prepare_token_cache
 from titanlite.data.diagnose import check_skipped
-from titanlite.data.mixture import MixtureOrder, Part, stage_weights
+from titanlite.data.mixture import MixtureOrder, Part, mixture_sources, stage_weights
 from titanlite.data.order import Microbatches, PermutedOrder, microbatch_rows
 from titanlite.data.packing import Microbatch, cached_samples, collate
 from titanlite.data.prepared import is_prepared, open_tokens
@@ -331,11 +331,8 @@ def _mixture_order(t: Training, val: Validation, tokenizer, seed: int, global_ba
     (_, weights), *later = stage_weights(t)
     logger.info("training data: %d sources, blended by weight", len(t.mixture))
     parts, base, prints = [], 0, []
-    for m, weight in zip(t.mixture, weights, strict=True):
-        mt = replace(
-            t, dataset="local", dataset_path=m.dataset_path, dataset_text_column=m.text_column
-        )
-        source = _source(mt, val, "train")
+    for m, weight, source in zip(t.mixture, weights, mixture_sources(t), strict=True):
+        mt = replace(t, dataset_path=m.dataset_path, dataset_text_column=m.text_column)
         logger.info("training data: %s, weight %.4g: %s", m.name, weight, source.describe())
         get, lo, hi, _ = _cached_split(source, tokenizer, mt, val, "train")
         if hi <= lo:

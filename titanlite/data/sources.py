@@ -24,7 +24,7 @@ import os
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain
 from pathlib import Path
@@ -371,7 +371,18 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
             f"dataset {dataset!r} has no validation split and a stream has no end to hold out "
             "from; set validation.dataset_path to local files"
         )
+    return _hub_stream(dataset, spec, hub_split, text_column)
 
+
+def named_hub_source(dataset: str, config: str, split: str, text_column: str) -> TextSource:
+    """Any hub dataset by name (one of HUB_DATASETS, a repo id, or a local folder laid out as a
+    hub repo), config and split, streamed: a [[training.mixture]] source's `dataset`."""
+    spec = HUB_DATASETS.get(dataset) or HubDataset(dataset, None, "train", None)
+    spec = replace(spec, name=config or spec.name, split=split or spec.split)
+    return _hub_stream(dataset, spec, spec.split, text_column)
+
+
+def _hub_stream(dataset: str, spec: HubDataset, hub_split: str, text_column: str) -> TextSource:
     def open_dataset():
         try:
             return _load_dataset(spec.path, spec.name, spec.data_files, hub_split, True)
@@ -384,9 +395,13 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
             ) from e
 
     stream = DocumentStream(open_dataset, text_column, f"dataset {dataset!r} ({spec.path})")
-    fingerprint = _hash({"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column})
+    key = {"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column}
+    if os.path.isdir(spec.path):  # a local folder laid out as a hub repo: its files' stats too
+        key["files"] = _file_stats(sorted(p for p in Path(spec.path).rglob("*") if p.is_file()))
+    fingerprint = _hash(key)
     where = f"{spec.path} ({spec.name}, split {hub_split}) streamed from the Hugging Face Hub"
-    return _streamed(f"{dataset}-{hub_split}", fingerprint, stream, where)
+    # A repo id's or a folder's last part: the name is also the token cache folder's.
+    return _streamed(f"{Path(dataset).name}-{hub_split}", fingerprint, stream, where)
 
 
 def prepared_source(path: str) -> TextSource:
