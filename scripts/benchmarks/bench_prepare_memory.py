@@ -47,8 +47,15 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _dir_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+def _size(f: Path) -> int:
+    try:
+        return f.stat().st_size
+    except OSError:  # removed meanwhile
+        return 0
+
+
+def _dir_bytes(folder: Path, pattern: str = "*") -> int:
+    return sum(_size(f) for f in folder.glob(pattern)) if folder.exists() else 0
 
 
 def run(corpus: Path, out: Path, workers: int) -> dict:
@@ -61,7 +68,7 @@ def run(corpus: Path, out: Path, workers: int) -> dict:
     while proc.poll() is None:
         kids = _children(proc.pid)
         main, each = _rss_kib(proc.pid), [_rss_kib(k) for k in kids]
-        pieces = sum(f.stat().st_size for f in partial.glob("piece-*")) if partial.exists() else 0
+        pieces = _dir_bytes(partial, "piece-*")
         for key, value in (("main", main), ("worker", max(each, default=0)),
                            ("total", main + sum(each)), ("pieces", pieces)):  # fmt: skip
             peak[key] = max(peak[key], value)
