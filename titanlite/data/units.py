@@ -183,14 +183,14 @@ def count_rows(runs: list[tuple[str, list[Path]]]) -> int | None:
     texts are skipped): parquet footers, one per .txt, the lines of plain JSON lines (a read at
     disk speed, ~1% of tokenizing them); None where only a full parse would (compressed files,
     Arrow, JSON documents)."""
-    import pyarrow.parquet as pq
-
     total = 0
     for builder, files in runs:
         for f in files:
             if builder == "text":
                 total += 1
             elif builder == "parquet":
+                import pyarrow.parquet as pq
+
                 total += pq.ParquetFile(f).metadata.num_rows
             elif builder == "json" and not f.name.endswith(COMPRESSION) and _is_json_lines(f):
                 total += _count_lines(f)
