@@ -49,10 +49,11 @@ def _read_piece(folder: Path, u: int) -> dict | None:
         return None
 
 
-def tokenize_unit(folder: Path, u: int, unit: Unit, local: LocalFiles, dtype) -> dict:
+def tokenize_unit(folder: Path, u: int, unit: Unit, text_column: str, max_bad_rows: int, dtype):
     """Read, tokenize and write unit u as a piece, texts a batch at a time (memory: one batch);
     returns its counts. A bad row stops the build, unless bad rows may be skipped: then the
-    first max_bad_rows + 1 are kept for the main process, which counts them in unit order."""
+    first max_bad_rows + 1 are kept for the main process, which counts them in unit order.
+    (The source's file list is not an argument: it is pickled for every task.)"""
     names = [folder / n for n in _piece_files(u)]
     tmp = temp_suffix()
     lengths, texts, chars = [], [], 0
@@ -65,12 +66,12 @@ def tokenize_unit(folder: Path, u: int, unit: Unit, local: LocalFiles, dtype) ->
         texts.clear()
 
     with open(str(names[0]) + tmp, "wb") as f:
-        for text, problem in unit_rows(unit, local.text_column):
+        for text, problem in unit_rows(unit, text_column):
             if problem:
-                if not local.max_bad_rows:
+                if not max_bad_rows:
                     raise bad_row_error(problem, unit[0].builder)
                 meta["skipped"], meta["last"] = meta["skipped"] + 1, problem
-                if len(meta["problems"]) <= local.max_bad_rows:
+                if len(meta["problems"]) <= max_bad_rows:
                     meta["problems"].append(problem)
             elif text:
                 texts.append(text)
@@ -173,7 +174,8 @@ def build_from_files(
 ) -> tuple[dict[int, tuple[int, int]], SkippedRows] | None:  # fmt: skip
     """Tokenize `units` into shards in `folder`: {shard: (documents, tokens)} and the bad rows
     left out; with `shard` only this machine's pieces (None)."""
-    job = partial(tokenize_unit, folder, local=local, dtype=dtype)
+    job = partial(tokenize_unit, folder, text_column=local.text_column,
+                  max_bad_rows=local.max_bad_rows, dtype=dtype)  # fmt: skip
     depth = 2 * max(workers, 1)  # units in flight: every worker busy, one more queued each
     with tokenizer_pool(workers, tokenizer) as pool:
         if shard:

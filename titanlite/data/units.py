@@ -47,6 +47,9 @@ def plan_units(runs: list[tuple[str, list[Path]]], target: int) -> list[Unit]:
     group: list[Part] = []
     size = 0
     for builder, files in runs:
+        if group:  # a unit holds one format: its errors name that format's fix
+            units.append(tuple(group))
+            group, size = [], 0
         for f in files:
             cuts = _cuts(f, builder, target)
             if cuts is None:  # a whole file: grouped with its neighbours up to `target`
