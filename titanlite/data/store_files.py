@@ -3,8 +3,9 @@ own units of the files (`titanlite.data.units`: byte ranges, row groups, whole s
 tokenizes them and writes a piece (its tokens and document offsets); the main process copies the
 pieces, in unit order, into the store's shards of D documents and deletes each piece once all
 its documents are in written shards. Only tokens cross processes, through the disk; nothing
-makes a copy of the text first, and the pieces on disk at any time are those of the units in
-flight (a window of a few per worker), so disk and memory stay bounded at any corpus size.
+makes a copy of the text first, and the pieces on disk at any time are those of the shard being
+filled and of the units in flight (a window of a few per worker), so disk and memory stay
+bounded at any corpus size.
 
 Shard k holds documents [k*D, (k+1)*D) of the files read in order, as a build from the whole
 files does, so the store's bytes do not depend on the units, the workers or the machines.
