@@ -26,7 +26,8 @@ def _jsonl(docs, bad_at=()) -> str:
     rows = [json.dumps({"text": d}) for d in docs]
     for i in bad_at:  # a cut-short row, then a row without text
         rows[i] = '{"text": "cut' if i % 2 else json.dumps({"body": docs[i]})
-    return "\n".join(rows[:5] + [""] + rows[5:]) + "\n"  # a blank line, skipped
+    empty = [json.dumps({"text": ""})] * 20  # skipped: a unit or two of no documents
+    return "\n".join(rows[:5] + [""] + empty + rows[5:]) + "\n"  # a blank line, skipped
 
 
 @pytest.fixture
@@ -87,46 +88,60 @@ def test_units_give_the_bytes_of_a_build_from_the_documents(corpus, tmp_path, ma
     assert got == ref and files(tmp_path / "units") == files(tmp_path / "ref")
     assert (sorted(cache.rglob("*")) if cache.exists() else []) == before
     if max_bad_rows:
-        assert ref["skipped_rows"] == 2 and "a.jsonl:42: no 'text'" in ref["last_skipped_row"]
+        assert ref["skipped_rows"] == 2 and "a.jsonl:62: no 'text'" in ref["last_skipped_row"]
 
 
 def test_a_bad_row_is_named_by_file_and_line_within_a_cut_file(corpus, tmp_path):
     source = local_source(corpus(bad_at=(41,)))
-    with pytest.raises(ConfigError, match=r"a.jsonl:43: not valid JSON .*fix or remove"):
+    with pytest.raises(ConfigError, match=r"a.jsonl:63: not valid JSON .*fix or remove"):
         build(source, tmp_path / "out", unit_size=200)
     with pytest.raises(ConfigError, match="more than training.dataset_max_bad_rows = 1"):
         build(local_source(corpus(bad_at=(3, 41)), max_bad_rows=1), tmp_path / "o", 200)
 
 
-def test_a_failed_build_resumes_keeping_shards_and_pieces(corpus, tmp_path, monkeypatch):
-    """A build stopped by an error at unit 9 keeps its written shards and the units copied; the
-    rerun reads only the rest and publishes the bytes of a fresh build."""
+@pytest.mark.parametrize("stop", ["unit 9", "shard 0"])  # shard 0 fills after an empty unit
+def test_a_failed_build_resumes_keeping_shards_and_pieces(corpus, tmp_path, monkeypatch, stop):
+    """A build stopped by an error (tokenizing unit 9, or writing shard 0, right after unit 2,
+    of no documents) keeps its written shards, the units copied into them in its ledger (never
+    one whose documents are not all written) and its other pieces; the rerun reads only the
+    units it lacks and publishes the bytes of a fresh build."""
     source = local_source(corpus())
     build(source, tmp_path / "fresh", unit_size=200)
-    real, read = store_files.tokenize_unit, []
+    real_unit, real_shard, read = store_files.tokenize_unit, store_files.write_shard_tokens, []
 
-    def failing(folder, u, unit, **kw):
-        if u == 9:
+    def failing_unit(folder, u, unit, **kw):
+        if stop == f"unit {u}":
             raise OSError("killed")
-        return real(folder, u, unit, **kw)
+        return real_unit(folder, u, unit, **kw)
 
-    monkeypatch.setattr(store_files, "tokenize_unit", failing)
+    def failing_shard(folder, k, *args):
+        if stop == f"shard {k}":
+            raise OSError("killed")
+        return real_shard(folder, k, *args)
+
+    monkeypatch.setattr(store_files, "tokenize_unit", failing_unit)
+    monkeypatch.setattr(store_files, "write_shard_tokens", failing_shard)
     with pytest.raises(OSError, match="killed"):
         build(source, tmp_path / "out", unit_size=200)
     partial = tmp_path / ".out.partial"
     kept = sorted(p.name for p in partial.glob("shard-*.idx.npy"))
-    ledger = (partial / store_files.LEDGER).read_text().splitlines()
-    assert kept and ledger and not (partial / "piece-000000.bin").exists()  # copied, deleted
+    ledger = partial / store_files.LEDGER
+    ledger = ledger.read_text().splitlines() if ledger.exists() else []
+    assert sum(json.loads(e)["docs"] for e in ledger) <= len(kept) * SHARD
+    if stop == "unit 9":
+        assert kept and ledger and not (partial / "piece-000000.bin").exists()  # copied, deleted
 
     def counting(folder, u, unit, **kw):
         read.append(u)
-        return real(folder, u, unit, **kw)
+        return real_unit(folder, u, unit, **kw)
 
     monkeypatch.setattr(store_files, "tokenize_unit", counting)
+    monkeypatch.setattr(store_files, "write_shard_tokens", real_shard)
     reused = []
     build_store(source, TOK, tmp_path / "out", docs_per_shard=SHARD, unit_size=200,
                 on_shard=lambda d, t, r: reused.append(r))  # fmt: skip
-    assert read and min(read) == 9 and reused[: len(kept)] == [True] * len(kept)
+    assert read and 0 not in read and reused[: len(kept)] == [True] * len(kept)
+    assert stop != "unit 9" or min(read) == 9
     assert files(tmp_path / "out") == files(tmp_path / "fresh")
 
 

@@ -119,54 +119,55 @@ class _Ledger:
 
 
 class _Shards:
-    """Pieces in unit order -> shards of `docs_per_shard` documents, written as they fill."""
+    """Pieces in unit order -> shards of `docs_per_shard` documents, written as they fill.
+    Documents are numbered across the corpus: the next one added is `self.doc`, and the written
+    shards (kept ones included) hold those below `self.written`."""
 
-    def __init__(self, folder, docs_per_shard, dtype, first_shard, skip, ledger, report):
+    def __init__(self, folder, docs_per_shard, dtype, first_shard, doc, written, ledger, report):
         self.folder, self.per_shard, self.dtype = folder, docs_per_shard, dtype
-        self.k, self.skip, self.ledger, self.report = first_shard, skip, ledger, report
+        self.k, self.doc, self.written = first_shard, doc, written
+        self.ledger, self.report = ledger, report
         self.chunks, self.lengths, self.filled, self.reused = [], [], 0, True
-        self.open_units = []  # (u, meta) with documents not yet in a written shard
+        self.open_units = []  # (u, meta, end) whose documents below `end` are not all written
         self.counts: dict[int, tuple[int, int]] = {}  # shard -> (documents, tokens)
 
     def add(self, u: int, meta: dict, reused: bool) -> None:
-        self.open_units.append((u, meta))
-        n = meta["docs"]
-        j = min(self.skip, n)  # documents already in shards kept from an interrupted run
-        self.skip -= j
-        if j == n:  # nothing is being filled while kept documents are skipped
-            self._release(full=True)
-            return
-        names = [self.folder / name for name in _piece_files(u)[:2]]
-        tokens = np.memmap(names[0], dtype=self.dtype, mode="r")
-        offsets = np.load(names[1], mmap_mode="r")
+        n, first = meta["docs"], self.doc
+        self.open_units.append((u, meta, first + n))
+        self.doc += n
+        j = min(max(self.written - first, 0), n)  # documents in shards kept from an earlier run
+        if j < n:
+            names = [self.folder / name for name in _piece_files(u)[:2]]
+            tokens = np.memmap(names[0], dtype=self.dtype, mode="r")
+            offsets = np.load(names[1], mmap_mode="r")
         while j < n:
             take = min(self.per_shard - self.filled, n - j)
             self.chunks.append(tokens[offsets[j] : offsets[j + take]])
             self.lengths.append(np.diff(offsets[j : j + take + 1]))
             self.filled, self.reused, j = self.filled + take, self.reused and reused, j + take
             if self.filled == self.per_shard:
-                self.write(full=j == n)
+                self.write()
+        self._release()
 
-    def write(self, full: bool = True) -> None:
-        """Write the shard being filled; `full`: the last unit added has no documents left."""
+    def write(self) -> None:
+        """Write the shard being filled (the last one may hold fewer documents)."""
         if self.lengths:
             lengths = np.concatenate(self.lengths)
             tokens = np.concatenate(self.chunks)
             write_shard_tokens(self.folder, self.k, tokens, lengths, self.dtype)
             self.counts[self.k] = (len(lengths), len(tokens))
             self.report(len(lengths), len(tokens), self.reused)
-            self.k, self.chunks, self.lengths, self.filled = self.k + 1, [], [], 0
-            self.reused = True
-        self._release(full)
+            self.k, self.written = self.k + 1, self.written + len(lengths)
+            self.chunks, self.lengths, self.filled, self.reused = [], [], 0, True
+        self._release()
 
-    def _release(self, full: bool) -> None:
+    def _release(self) -> None:
         """Units whose documents are all in written shards: into the ledger, pieces deleted."""
-        done = self.open_units if full else self.open_units[:-1]
-        for u, meta in done:
+        while self.open_units and self.open_units[0][2] <= self.written:
+            u, meta, _ = self.open_units.pop(0)
             self.ledger.add(meta)
             for name in _piece_files(u):
                 (self.folder / name).unlink(missing_ok=True)
-        self.open_units = [] if full else self.open_units[-1:]
 
 
 def build_from_files(
@@ -213,7 +214,7 @@ def _assemble(pool, job, folder, units, dtype, per_shard, report, depth, local):
         skipped.count, skipped.last = skipped.count + e["skipped"], e["last"] or skipped.last
     for d, t in kept.values():
         report(d, t, True)
-    shards = _Shards(folder, per_shard, dtype, len(kept), kept_docs - start, ledger, report)
+    shards = _Shards(folder, per_shard, dtype, len(kept), start, kept_docs, ledger, report)
     shards.counts.update(kept)
     ready = {u for u in range(len(ledger.entries), len(units)) if _read_piece(folder, u)}
     found, pending, nxt = set(ready), {}, len(ledger.entries)
