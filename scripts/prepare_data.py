@@ -12,13 +12,19 @@ training.data_cache_dir and validation.dataset_path matter) plus:
   --out DIR     where to write the store; train with --training.dataset_path DIR. Without it the
                 store goes to the token cache, where train.py with the same options finds it
                 (hub datasets are then left to be streamed at training time).
-
-  --shard i/n   tokenize only this machine's share of the store's shards (e.g. a SLURM array
+  --shard i/n   tokenize only this machine's share of the work (e.g. a SLURM array
                 task: --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT), beside --out on
                 storage every machine shares; then run the same command without --shard once:
-                it finds every shard done and publishes a store byte-identical to one machine's
+                it finds every share done and publishes a store byte-identical to one machine's
+                (of local files, the shares are tokenized pieces it copies into the shards)
 
-A killed run keeps its finished shards: rerun the same command to finish the rest.
+With [[training.mixture]] sources (a config file), each source of text, hub sets included, is
+tokenized into the token cache, where train.py with that mixture finds it (no --out).
+
+Local files are read by the workers themselves, each its own units of them (byte ranges of JSON
+lines, parquet row groups, small files grouped), with no copy of the corpus made first.
+
+A killed run keeps its finished work: rerun the same command to finish the rest.
 """
 
 import argparse
@@ -31,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from titanlite.config import ConfigError, Training  # noqa: E402
 from titanlite.data.cache import cache_dir  # noqa: E402
+from titanlite.data.mixture import mixture_sources  # noqa: E402
 from titanlite.data.prepared import is_prepared  # noqa: E402
 from titanlite.data.sources import (  # noqa: E402
     HUB_DATASETS,
@@ -38,29 +45,19 @@ from titanlite.data.sources import (  # noqa: E402
     expand_paths,
     format_runs,
     local_source,
-    open_local,
     stdlib_files,
 )
 from titanlite.data.store import MANIFEST, TokenStore  # noqa: E402
 from titanlite.data.store_build import build_store  # noqa: E402
-from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
+from titanlite.data.units import count_rows  # noqa: E402
 from titanlite.progress import Progress  # noqa: E402
 
 
 def expected_documents(t: Training) -> int | None:
     """The source's row count where it is known without tokenizing, for the time left (an upper
-    bound: empty texts are skipped); None for a hub stream, or for files read row by row
-    (training.dataset_max_bad_rows), which would be read twice."""
+    bound: empty texts are skipped); None for a hub stream, or where only a parse would tell."""
     if t.dataset_path:
-        runs = format_runs(expand_paths(t.dataset_path))
-        if t.dataset_max_bad_rows and any(b != "text" for b, _ in runs):
-            return None
-        # Text files hold one document each; the others: the same map-style load the source
-        # itself reads (Arrow cache reused).
-        return sum(
-            len(fs) if b == "text" else len(open_local(fs, b, t.dataset_text_column))
-            for b, fs in runs
-        )
+        return count_rows(format_runs(expand_paths(t.dataset_path)))
     if t.dataset in HUB_DATASETS:  # and no dataset_path, which would win over it
         return None
     return len(stdlib_files()[1])
@@ -124,6 +121,16 @@ def prepare(source, tokenizer, out: Path, workers: int, expected: int | None, sh
     )
 
 
+def prepare_mixture(t: Training, tokenizer, workers: int, shard) -> None:
+    """Each [[training.mixture]] source of text (hub sets too) into the token cache, where
+    train.py with the same mixture finds it; prepared tokens are left as they are."""
+    for m, source in zip(t.mixture, mixture_sources(t), strict=True):
+        if not is_prepared(m.dataset_path):
+            expected = count_rows(source.local.runs) if source.local else None
+            out = cache_dir(source, tokenizer, t.data_cache_dir)
+            prepare(source, tokenizer, out, workers, expected, shard)
+
+
 def main(argv: list[str]) -> int:
     try:
         return _main(argv)
@@ -137,6 +144,7 @@ def _main(argv: list[str]) -> int:
     # checks import torch (~2.5 s of CPU and ~250 MB per worker) that tokenizing never uses.
     from titanlite.checks import check_options, check_writable
     from titanlite.config_parse import exit_on_help, parse_args
+    from titanlite.job import resolve_model
 
     exit_on_help(argv, __doc__)
 
@@ -153,7 +161,12 @@ def _main(argv: list[str]) -> int:
     t = cfg.training
     if is_prepared(t.dataset_path):
         raise SystemExit(f"{t.dataset_path} is already prepared: train with it as dataset_path")
-    tokenizer = build_tokenizer(cfg.model)
+    if t.mixture and args.out:
+        raise SystemExit("a mixture's sources go to the token cache, a store each: drop --out")
+    tokenizer = resolve_model(cfg).tokenizer  # as train.py resolves it
+    if t.mixture:
+        prepare_mixture(t, tokenizer, args.workers, shard)
+        return 0
     source = build_source(
         t.dataset, t.dataset_path, t.dataset_text_column, max_bad_rows=t.dataset_max_bad_rows
     )

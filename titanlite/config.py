@@ -144,6 +144,11 @@ class MixtureSource:
     weight: float = opt(0.0, "Its share of the training tokens (weights are normalized)")
     text_column: str = opt("text", "Column holding its document text")
     validation_path: str = opt("", "Its held-out files: val_loss/<name> ('' = none)")
+    dataset: str = opt(
+        "", "Or a Hugging Face hub dataset (c4, fineweb, a repo id), streamed into the token cache"
+    )
+    dataset_config: str = opt("", "The hub dataset's config (subset) name ('' = its default)")
+    split: str = opt("", "The hub dataset's split ('' = train, or the named set's own)")
 
 
 @dataclass

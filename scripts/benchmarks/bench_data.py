@@ -12,9 +12,9 @@ num_threads=1)` of the corpus' texts (in memory: the bar a build is held to), th
 count W: tiktoken alone in W processes at once, each encoding a share to arrays (the machine's
 limit for W workers: its cores, caches and memory shared as the workers share them), and
 `build_store` (what prepare_data.py runs) with W workers into a fresh folder, the pool's start
-included. Reported: medians over the repeats. The worker processes share the
-machine with the main process, which reads the JSONL and hands texts out: on a machine with W
-cores, W workers compete with it.
+included. Reported: medians over the repeats. The worker processes read the JSONL themselves
+(`titanlite.data.units`) and share the machine with the main process, which copies their tokens
+into the shards: on a machine with W cores, W workers compete with it.
 """
 
 import argparse

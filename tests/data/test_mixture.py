@@ -1,6 +1,10 @@
 """A weighted mixture of named sources: the blend's shares, its independence of the dp split,
 its resume at another dp degree, exhausted sources, and the one-line errors."""
 
+import gzip
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +13,7 @@ from tests.data.conftest import ragged_docs
 from titanlite.checks import check_options
 from titanlite.config import ConfigError, DataLoader, MixtureSource, MixtureStage, Training
 from titanlite.config_parse import parse_args
+from titanlite.data import sources as data_sources
 from titanlite.data.mixture import MixtureOrder, Part
 from titanlite.data.order import PermutedOrder, microbatch_rows
 
@@ -138,7 +143,9 @@ def test_resume_at_another_dp_degree_continues_the_blend(
             r"names \['a'\] more than once",
         ),
         ('dataset_path = "x"\nweight = 1', "needs a name"),
-        ('name = "a"\nweight = 1', "'a' needs a dataset_path"),
+        ('name = "a"\nweight = 1', "'a' needs one of dataset_path .* and dataset .*neither"),
+        ('name = "a"\ndataset_path = "x"\ndataset = "c4"\nweight = 1', "got both"),
+        ('name = "a"\ndataset_path = "x"\nsplit = "train"\nweight = 1', "dataset_config/split"),
         ('name = "a"\ndataset_path = "x"\nwieght = 1', "unknown key 'wieght'; did you mean weight"),
         ('name = "a"\ndataset_path = "x"\nweight = "high"', "weight expects a float"),
         ('name = "a/b"\ndataset_path = "x"\nweight = 1', "name 'a/b' would collide in the"),
@@ -253,3 +260,40 @@ def test_each_rows_source_is_the_blends(sources, tmp_path, tok, train_loader):
     finally:
         ld.close()
     assert seen == {0, 1, 2}
+
+
+def hub_repo(folder: Path, docs: list[str]) -> Path:
+    """`docs` laid out as the hub serves a dataset: config "en", its train split in two gzipped
+    JSON lines files that README.md's YAML names (a validation split beside it)."""
+    (folder / "en").mkdir(parents=True)
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n"
+        "    path: en/train-*.jsonl.gz\n  - split: validation\n"
+        "    path: en/validation-*.jsonl.gz\n---\n"
+    )
+    half = len(docs) // 2
+    for i, part in enumerate((docs[:half], docs[half:], ["held out"])):
+        name = "validation-00000-of-00001" if i == 2 else f"train-{i:05d}-of-00002"
+        rows = "".join(json.dumps({"text": d}) + "\n" for d in part)
+        (folder / "en" / f"{name}.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    return folder
+
+
+def test_a_hub_dataset_in_a_mixture_blends_as_its_files_would(
+    sources, tmp_path, tok, global_steps, monkeypatch
+):
+    """A source by hub name, config and split, streamed (a local folder laid out as a hub repo;
+    and the c4 code path over local files, as the one-source tests point it) gives the rows the
+    same documents give from local files."""
+    web, code = sources[:2]
+    docs = [json.loads(line)["text"] for line in Path(web.dataset_path).read_text().splitlines()]
+    repo = hub_repo(tmp_path / "repo", docs)
+    spec = data_sources.HubDataset("json", None, "train", "train", data_files=[web.dataset_path])
+    monkeypatch.setitem(data_sources.HUB_DATASETS, "c4", spec)
+    ref = global_steps(mcfg([web, code], tmp_path), tok, 1, 8, steps=3)
+    for hub in (
+        MixtureSource("web", weight=web.weight, dataset=str(repo), dataset_config="en"),
+        MixtureSource("web", weight=web.weight, dataset="c4"),
+    ):
+        got = global_steps(mcfg([hub, code], tmp_path), tok, 1, 8, steps=3)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(ref, got, strict=True)), hub.dataset

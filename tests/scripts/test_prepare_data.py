@@ -200,3 +200,27 @@ def test_shares_on_two_machines_then_a_merge_write_the_one_machine_bytes(tmp_pat
     merged = prepare(corpus, tmp_path / "split", 1)
     assert files(tmp_path / "split") == files(tmp_path / "one")
     assert "9,000 documents kept from an interrupted run" in merged.stdout  # nothing re-tokenized
+
+
+def test_a_mixture_is_prepared_into_the_cache_where_training_finds_it(tmp_path, capsys):
+    """Each [[training.mixture]] source of text into the token cache (in process: the pool is
+    the tests above'); the training loader then tokenizes nothing."""
+    from tests.data.conftest import _train_loader
+
+    web, code = write_corpus(tmp_path / "web.jsonl", 300), write_corpus(tmp_path / "code.jsonl", 90)
+    cache = tmp_path / "cache"
+    toml = tmp_path / "mix.toml"
+    toml.write_text(
+        f'[training]\ndata_cache_dir = "{cache}"\nseq_len = 16\nlocal_batch_size = 4\n'
+        f'[[training.mixture]]\nname = "web"\ndataset_path = "{web}"\nweight = 0.7\n'
+        f'[[training.mixture]]\nname = "code"\ndataset_path = "{code}"\nweight = 0.3\n'
+    )
+    cfg = parse_args(["--job.config_file", str(toml), *TOKENIZER])
+    with pytest.raises(SystemExit, match="a store each: drop --out"):
+        prepare_data.main(["--job.config_file", str(toml), "--out", str(tmp_path / "x")])
+    tok = build_tokenizer(cfg.model)
+    prepare_data.prepare_mixture(cfg.training, tok, 0, None)
+    out = capsys.readouterr().out
+    assert "300 documents" in out and "90 documents" in out
+    _train_loader(cfg.training, tok).close()
+    assert len(list(cache.iterdir())) == 2  # the two stores, no other built

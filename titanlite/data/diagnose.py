@@ -69,6 +69,11 @@ def data_error(
     return ConfigError(fallback) if fallback else None
 
 
+def bad_row_error(problem: str, builder: str) -> ConfigError:
+    """A bad row met reading strictly: named, with its fix."""
+    return ConfigError(problem + _FIX.get(builder, ""))
+
+
 _FIX = {
     "json": (
         "; fix or remove that row (JSON lines: one object per line, text in the text column), "
@@ -150,9 +155,11 @@ def _json_rows(path: Path, text_column: str) -> Iterator[Row]:
             # A first row that is no object may be the start of one JSON document (a list).
             if rows == 1 and not isinstance(row, dict) and (doc := _document(path)) is not None:
                 items = doc if isinstance(doc, list) else [doc]
-                yield from (_row(r, text_column, f"{path}: item {i}") for i, r in enumerate(items))
+                yield from (
+                    json_row(r, text_column, f"{path}: item {i}") for i, r in enumerate(items)
+                )
                 return
-            yield (None, error) if error else _row(row, text_column, f"{path}:{n}")
+            yield (None, error) if error else json_row(row, text_column, f"{path}:{n}")
         if not rows:  # e.g. a compressed empty file: not zero bytes on disk
             raise BadFile(f"{path}: no rows, only blank lines; remove it")
 
@@ -169,13 +176,13 @@ def _document(path: Path):
 _JSON_KINDS = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
 
 
-def _row(row, text_column: str, where: str) -> Row:
+def json_row(row, text_column: str, where: str) -> Row:
     if not isinstance(row, dict):
         return None, f"{where}: a JSON {_JSON_KINDS.get(type(row), 'null')}, not an object"
-    return _text(row.get(text_column), text_column, where, f"keys: {sorted(row)[:8]}")
+    return text_row(row.get(text_column), text_column, where, f"keys: {sorted(row)[:8]}")
 
 
-def _text(text, text_column: str, where: str, missing: str) -> Row:
+def text_row(text, text_column: str, where: str, missing: str) -> Row:
     if text is None:
         return None, f"{where}: no {text_column!r} ({missing})"
     if not isinstance(text, str):
@@ -190,7 +197,7 @@ def _parquet_rows(path: Path, text_column: str) -> Iterator[Row]:
         batches = pq.ParquetFile(path).iter_batches(columns=[text_column])
         texts = (t for batch in batches for t in batch.column(0).to_pylist())
         for i, text in enumerate(texts):
-            yield _text(text, text_column, f"{path}: row {i}", "null")
+            yield text_row(text, text_column, f"{path}: row {i}", "null")
     except Exception as e:
         raise BadFile(
             f"{path}: not a readable parquet file with column {text_column!r} ({e}); rewrite "
@@ -212,7 +219,7 @@ def _arrow_rows(path: Path, text_column: str) -> Iterator[Row]:
             reader = pa.ipc.open_stream(source)
             texts = (t for batch in reader for t in batch.column(text_column).to_pylist())
             yield from (
-                _text(t, text_column, f"{path}: row {i}", "null") for i, t in enumerate(texts)
+                text_row(t, text_column, f"{path}: row {i}", "null") for i, t in enumerate(texts)
             )
     except Exception as e:  # ArrowInvalid, KeyError (no such column), OSError
         raise BadFile(

@@ -34,7 +34,7 @@ from titanlite.config import ConfigError, DataLoader, Training, Validation
 from titanlite.data import shuffle
 from titanlite.data.cache import prepare_token_cache
 from titanlite.data.diagnose import check_skipped
-from titanlite.data.mixture import MixtureOrder, Part, stage_weights
+from titanlite.data.mixture import MixtureOrder, Part, mixture_sources, stage_weights
 from titanlite.data.order import Microbatches, PermutedOrder, microbatch_rows
 from titanlite.data.packing import Microbatch, cached_samples, collate
 from titanlite.data.prepared import is_prepared, open_tokens
@@ -354,11 +354,8 @@ def _mixture_order(t: Training, val: Validation, tokenizer, seed: int, global_ba
     (_, weights), *later = stage_weights(t)
     logger.info("training data: %d sources, blended by weight", len(t.mixture))
     parts, base, prints = [], 0, []
-    for m, weight in zip(t.mixture, weights, strict=True):
-        mt = replace(
-            t, dataset="local", dataset_path=m.dataset_path, dataset_text_column=m.text_column
-        )
-        source = _source(mt, val, "train")
+    for m, weight, source in zip(t.mixture, weights, mixture_sources(t), strict=True):
+        mt = replace(t, dataset_path=m.dataset_path, dataset_text_column=m.text_column)
         logger.info("training data: %s, weight %.4g: %s", m.name, weight, source.describe())
         # Its own validation files: nothing of its training files is held out.
         own_val = replace(val, dataset_path=m.validation_path) if m.validation_path else val

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from titanlite.config import ConfigError, Training, Validation
+from titanlite.data.sources import TextSource, build_source, named_hub_source
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,16 @@ def check_mixture(t: Training, val: Validation) -> None:
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ConfigError(f"{where} names {twice} more than once: give each source its own name")
     for m in t.mixture:
-        if not m.dataset_path:
-            raise ConfigError(f"{where} {m.name!r} needs a dataset_path (files, globs or tokens)")
+        if bool(m.dataset_path) == bool(m.dataset):
+            raise ConfigError(
+                f"{where} {m.name!r} needs one of dataset_path (files, globs or tokens) and "
+                f"dataset (a hub dataset), got {'both' if m.dataset else 'neither'}"
+            )
+        if not m.dataset and (m.dataset_config or m.split):
+            raise ConfigError(
+                f"{where} {m.name!r} sets dataset_config/split, which name a hub dataset's "
+                "part: set its dataset, or drop them"
+            )
         if not m.weight > 0:  # NaN too
             raise ConfigError(
                 f"{where} {m.name!r} has weight {m.weight}: weights must be > 0 (drop the source "
@@ -65,6 +74,17 @@ def check_mixture(t: Training, val: Validation) -> None:
             f"validation of a {where} needs validation.dataset_path (val_loss) or a source's "
             "validation_path (val_loss/<name>): held-out data is not drawn from a blend"
         )
+
+
+def mixture_sources(t: Training) -> list[TextSource]:
+    """The text (or prepared tokens) of each [[training.mixture]] source, in order."""
+    bad_rows = t.dataset_max_bad_rows
+    return [
+        named_hub_source(m.dataset, m.dataset_config, m.split, m.text_column)
+        if m.dataset
+        else build_source("local", m.dataset_path, m.text_column, max_bad_rows=bad_rows)
+        for m in t.mixture
+    ]
 
 
 def _stage_weights(text: list[str], names: list[str], where: str) -> list[float]:

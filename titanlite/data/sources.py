@@ -24,7 +24,7 @@ import os
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain
 from pathlib import Path
@@ -65,6 +65,16 @@ HUB_DATASETS = {
 DATASET_CHOICES = ("python_stdlib", "local", *HUB_DATASETS)
 
 
+@dataclass(frozen=True)
+class LocalFiles:
+    """The files of a local source, for readers that read them without `datasets`
+    (`titanlite.data.units`): (builder, files) runs in path order."""
+
+    runs: list[tuple[str, list[Path]]]
+    text_column: str
+    max_bad_rows: int
+
+
 @dataclass
 class TextSource:
     """A named stream of documents. `fingerprint` identifies the exact content (file list, sizes,
@@ -78,6 +88,7 @@ class TextSource:
     # Map-style with training.dataset_max_bad_rows: the bad rows of the last documents() pass.
     skipped: SkippedRows | None = field(default=None, repr=False)
     where: str = ""  # what the run reads, as its first log lines say it (`describe`)
+    local: LocalFiles | None = field(default=None, repr=False)  # local files, not streamed
 
     def describe(self) -> str:
         return f"{self.name}: {self.where}" if self.where else self.name
@@ -327,7 +338,8 @@ def local_source(
         rows = chain.from_iterable(_row_dicts(fs, b, text_column) for b, fs in runs)
         return skip_bad(rows, source.skipped)
 
-    source = TextSource(name, fingerprint, False, documents, where=described)
+    local = LocalFiles(runs, text_column, max_bad_rows)
+    source = TextSource(name, fingerprint, False, documents, where=described, local=local)
     return source
 
 
@@ -359,7 +371,18 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
             f"dataset {dataset!r} has no validation split and a stream has no end to hold out "
             "from; set validation.dataset_path to local files"
         )
+    return _hub_stream(dataset, spec, hub_split, text_column)
 
+
+def named_hub_source(dataset: str, config: str, split: str, text_column: str) -> TextSource:
+    """Any hub dataset by name (one of HUB_DATASETS, a repo id, or a local folder laid out as a
+    hub repo), config and split, streamed: a [[training.mixture]] source's `dataset`."""
+    spec = HUB_DATASETS.get(dataset) or HubDataset(dataset, None, "train", None)
+    spec = replace(spec, name=config or spec.name, split=split or spec.split)
+    return _hub_stream(dataset, spec, spec.split, text_column)
+
+
+def _hub_stream(dataset: str, spec: HubDataset, hub_split: str, text_column: str) -> TextSource:
     def open_dataset():
         try:
             return _load_dataset(spec.path, spec.name, spec.data_files, hub_split, True)
@@ -372,9 +395,13 @@ def hub_source(dataset: str, text_column: str = "text", split: str = "train") ->
             ) from e
 
     stream = DocumentStream(open_dataset, text_column, f"dataset {dataset!r} ({spec.path})")
-    fingerprint = _hash({"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column})
+    key = {"kind": "hub", "spec": repr(spec), "split": hub_split, "col": text_column}
+    if os.path.isdir(spec.path):  # a local folder laid out as a hub repo: its files' stats too
+        key["files"] = _file_stats(sorted(p for p in Path(spec.path).rglob("*") if p.is_file()))
+    fingerprint = _hash(key)
     where = f"{spec.path} ({spec.name}, split {hub_split}) streamed from the Hugging Face Hub"
-    return _streamed(f"{dataset}-{hub_split}", fingerprint, stream, where)
+    # A repo id's or a folder's last part: the name is also the token cache folder's.
+    return _streamed(f"{Path(dataset).name}-{hub_split}", fingerprint, stream, where)
 
 
 def prepared_source(path: str) -> TextSource:

@@ -45,20 +45,30 @@ def is_store(path: str) -> bool:
 
 
 def write_shard(folder: Path, k: int, docs: list[np.ndarray], dtype: np.dtype) -> int:
-    """Write shard k of `docs` (token arrays, Tokenizer.encode_array's) under temporary names,
-    then rename the tokens and last the offsets into place, so a killed writer never leaves a
-    shard that looks complete. Returns the shard's token count."""
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    """Write shard k of `docs` (token arrays, Tokenizer.encode_array's); returns its token count."""
+    return write_shard_tokens(folder, k, np.concatenate(docs), [len(d) for d in docs], dtype)
+
+
+def write_shard_tokens(folder: Path, k: int, tokens: np.ndarray, lengths, dtype: np.dtype) -> int:
+    """Write shard k: documents of `lengths` tokens back to back in `tokens`, under temporary
+    names, then rename the tokens and last the offsets into place, so a killed writer never
+    leaves a shard that looks complete. Returns the shard's token count."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
     bin_name, idx_name = shard_files(k)
-    tmp = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = temp_suffix()
     with open(folder / (bin_name + tmp), "wb") as f:
-        f.write(np.concatenate(docs).astype(dtype, copy=False).tobytes())
+        f.write(tokens.astype(dtype, copy=False).tobytes())
     with open(folder / (idx_name + tmp), "wb") as f:  # a file object: np.save adds no suffix
         np.save(f, offsets)
     os.replace(folder / (bin_name + tmp), folder / bin_name)
     os.replace(folder / (idx_name + tmp), folder / idx_name)
     return int(offsets[-1])
+
+
+def temp_suffix() -> str:
+    """A name suffix of this writer's own; a build removes files left with one (`*.tmp-*`)."""
+    return f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def finished_shard(folder: Path, k: int, num_docs: int, dtype: np.dtype) -> int | None:

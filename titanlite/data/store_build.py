@@ -1,30 +1,28 @@
 """Build a token store (`titanlite.data.store`) from a text source, in this process or a pool of
 worker processes, resuming after a kill.
 
-The main process reads the source and hands each shard's documents to a worker; the worker
-tokenizes them (the expensive part) and writes the shard itself, so only texts cross processes
-and the main process does no per-token work. Shard k always holds documents [k*D, (k+1)*D), so
-the bytes do not depend on the number of workers.
+Local files are read by the workers themselves, each its own units of the files
+(`titanlite.data.store_files`). Other sources (the standard library, hub streams) are read by the
+main process, which hands each shard's documents to a worker; the worker tokenizes them and
+writes the shard itself. Either way shard k holds documents [k*D, (k+1)*D), so the bytes do not
+depend on the number of workers.
 
 The store is built in `.<name>.partial` next to the destination. A killed build leaves it with
-its finished shards and `build.json` (what is being built); a rerun of the same build keeps
-those shards and redoes the rest, a different build starts it afresh. Complete, it gets its
+its finished shards (and pieces) and `build.json` (what is being built); a rerun of the same
+build keeps them and redoes the rest, a different build starts it afresh. Complete, it gets its
 manifest and is renamed into place.
 """
 
 import json
 import logging
-import multiprocessing
-import multiprocessing.connection
-import os
 import shutil
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from itertools import islice
 from pathlib import Path
 
 from titanlite.config import ConfigError
+from titanlite.data.pool import encode, tokenizer_pool
 from titanlite.data.sources import TextSource
 from titanlite.data.store import (
     DOCS_PER_SHARD,
@@ -35,37 +33,17 @@ from titanlite.data.store import (
     token_dtype,
     write_shard,
 )
+from titanlite.data.store_files import build_from_files
+from titanlite.data.units import plan_units, unit_bytes
 
 logger = logging.getLogger(__name__)
 
 # Called once per shard with (documents, tokens, reused): reused = kept from an earlier run.
 OnShard = Callable[[int, int, bool], None]
 
-_worker_tokenizer = None  # set in each worker process by _init_worker
 
-
-def _init_worker(tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-    # A killed main process leaves its workers blocked on the task queue: exit with it instead.
-    parent = multiprocessing.parent_process()
-    threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), daemon=True).start()
-
-
-def _exit_with_parent(sentinel) -> None:
-    multiprocessing.connection.wait([sentinel])
-    os._exit(1)
-
-
-def _worker_shard(folder: Path, k: int, texts: list[str], dtype) -> tuple[int, ...]:
-    # One thread per worker (not encode_batch): the pool is the parallelism.
-    docs = [_worker_tokenizer.encode_array(t, bos=True, eos=True) for t in texts]
-    return k, len(texts), write_shard(folder, k, docs, dtype)
-
-
-def _local_shard(tokenizer, folder: Path, k: int, texts: list[str], dtype) -> tuple[int, ...]:
-    docs = tokenizer.encode_batch(texts, bos=True, eos=True)  # on this rank's thread pool
-    return k, len(texts), write_shard(folder, k, docs, dtype)
+def _tokenize_shard(folder: Path, k: int, texts: list[str], dtype) -> tuple[int, ...]:
+    return k, len(texts), write_shard(folder, k, encode(texts), dtype)
 
 
 def _chunks(source: TextSource, docs_per_shard: int) -> Iterator[tuple[int, list[str]]]:
@@ -77,21 +55,16 @@ def _chunks(source: TextSource, docs_per_shard: int) -> Iterator[tuple[int, list
 
 
 def _tokenize(tasks, tokenizer, folder: Path, dtype, workers: int) -> Iterator[tuple[int, ...]]:
-    """(shard, documents, tokens) of each task once written, in completion order. workers = 0:
-    in this process (encode_batch uses its threads); else a pool of spawned processes with at
-    most two shards each in flight, so memory stays bounded whatever the corpus size."""
-    if workers == 0:
-        for k, texts in tasks:
-            yield _local_shard(tokenizer, folder, k, texts, dtype)
-        return
-    spawn = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-    with ProcessPoolExecutor(workers, spawn, _init_worker, (tokenizer,)) as pool:
+    """(shard, documents, tokens) of each task once written, in completion order: in this
+    process (workers = 0) or a pool with at most two shards a worker in flight, so memory stays
+    bounded whatever the corpus size."""
+    with tokenizer_pool(workers, tokenizer) as pool:
         pending = set()
         for k, texts in tasks:
-            if len(pending) >= 2 * workers:
+            if len(pending) >= 2 * max(workers, 1):
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 yield from (f.result() for f in done)
-            pending.add(pool.submit(_worker_shard, folder, k, texts, dtype))
+            pending.add(pool.submit(_tokenize_shard, folder, k, texts, dtype))
         for f in pending:
             yield f.result()
 
@@ -142,14 +115,17 @@ def build_store(
     docs_per_shard: int = DOCS_PER_SHARD,
     on_shard: OnShard | None = None,
     shard: tuple[int, int] | None = None,
+    unit_size: int = 0,
 ) -> dict | None:
     """Tokenize `source` into a store at `out` with `workers` processes (0: this process);
-    returns its manifest. Finished shards of an interrupted build of the same data are kept.
+    returns its manifest. Finished work of an interrupted build of the same data is kept.
 
-    `shard` = (i, n): tokenize only store shards k with k % n == i into the build directory
-    beside `out` (shared by n machines) and publish nothing (returns None); a build without
-    `shard` afterwards finds them finished and publishes the store. A shard's bytes depend only
-    on the corpus and k, so the store is byte-identical to one machine's."""
+    `shard` = (i, n): tokenize only this machine's share (of local files: units u with
+    u % n == i; else store shards k with k % n == i) into the build directory beside `out`
+    (shared by n machines) and publish nothing (returns None); a build without `shard`
+    afterwards finds the shares done and publishes the store. A shard's bytes depend only on
+    the corpus and k, so the store is byte-identical to one machine's. `unit_size`: bytes of
+    local files a worker reads as one unit (0: `titanlite.data.units.unit_bytes`)."""
     dtype = token_dtype(tokenizer.n_words)
     header = {
         "version": STORE_FORMAT_VERSION,
@@ -159,8 +135,42 @@ def build_store(
         "dtype": dtype.name,
         "docs_per_shard": docs_per_shard,
     }
-    partial = _open_partial(out, header, clean=shard is None)
     report = on_shard or (lambda docs, tokens, reused: None)
+    if (local := source.local) is not None:
+        files = [f for _, fs in local.runs for f in fs]
+        size = unit_size or unit_bytes(files)
+        units = plan_units(local.runs, size)
+        # The units too identify the build: a rerun cut otherwise starts afresh.
+        marker = {**header, "unit_size": size, "units": len(units)}
+        partial = _open_partial(out, marker, clean=shard is None)
+        args = (tokenizer, partial, dtype, docs_per_shard, workers, report, shard, units)
+        if (built := build_from_files(local, *args)) is None:
+            return None
+        counts, skipped = built
+        skipped = skipped if local.max_bad_rows else None
+    else:
+        partial = _open_partial(out, header, clean=shard is None)
+        counts = _build_from_documents(source, tokenizer, partial, dtype, docs_per_shard,
+                                       workers, report, shard)  # fmt: skip
+        if shard:
+            return None
+        skipped = source.skipped
+    if not counts:
+        raise ConfigError(f"data source {source.name!r} produced no documents")
+    shards = [
+        dict(zip(("tokens", "offsets"), shard_files(k)), num_docs=d, num_tokens=t)
+        for k, (d, t) in sorted(counts.items())
+    ]
+    manifest = _manifest(header, shards)
+    if skipped is not None:  # training.dataset_max_bad_rows: judged by every run
+        manifest.update(skipped_rows=skipped.count, last_skipped_row=skipped.last)
+    _publish(partial, out, manifest)
+    return manifest
+
+
+def _build_from_documents(source, tokenizer, partial, dtype, docs_per_shard, workers, report,
+                          shard) -> dict[int, tuple[int, int]]:  # fmt: skip
+    """The main process reads the documents and hands out a shard's at a time."""
     counts: dict[int, tuple[int, int]] = {}
 
     def todo():  # the shards not kept from an earlier run; runs in this (main) process
@@ -177,16 +187,4 @@ def build_store(
     for k, docs, tokens in _tokenize(todo(), tokenizer, partial, dtype, workers):
         counts[k] = (docs, tokens)
         report(docs, tokens, False)
-    if shard:
-        return None
-    if not counts:
-        raise ConfigError(f"data source {source.name!r} produced no documents")
-    shards = [
-        dict(zip(("tokens", "offsets"), shard_files(k)), num_docs=d, num_tokens=t)
-        for k, (d, t) in sorted(counts.items())
-    ]
-    manifest = _manifest(header, shards)
-    if source.skipped is not None:  # training.dataset_max_bad_rows: judged by every run
-        manifest.update(skipped_rows=source.skipped.count, last_skipped_row=source.skipped.last)
-    _publish(partial, out, manifest)
-    return manifest
+    return counts
