@@ -4,6 +4,7 @@ on recorded lines, bad options are one line, the GPU shapes given to torchtitan 
 Also missing_wheels.py and side_by_side_cpu.py's device-type replacement."""
 
 import json
+import re
 import sys
 import types
 
@@ -124,7 +125,11 @@ def test_a_spent_budget_starts_no_run_and_says_so(tmp_path, capsys):
     out = tmp_path / "out"
     assert sbs.main(["--cpu-smoke", "--budget", "1", "--out", str(out)]) == 1
     result = json.loads((out / "side_by_side.json").read_text())
-    assert [r["error"] for r in result["runs"]] == ["not run: 0 s of --budget left"] * 2
+    # 0 or 1 s left, by how long the set-up took: under MIN_RUN_S either way
+    errors = [r["error"] for r in result["runs"]]
+    assert len(errors) == 2 and all(
+        re.fullmatch(r"not run: [01] s of --budget left", e) for e in errors
+    )
     assert result["summary"]["smoke"]["titanlite"]["failed"] == 1
     assert not (out / "logs" / "smoke_titanlite_r1.log").exists()
 
