@@ -33,7 +33,7 @@ class Box:
         self.__dict__.update(sd)
 
 
-def build_manager(folder, shapes=(8, 16), **cfg) -> CheckpointManager:
+def build_manager(folder, /, shapes=(8, 16), **cfg) -> CheckpointManager:
     """A tiny model, AdamW and a warmup schedule, wrapped in a manager saving every step (unless
     `cfg` says otherwise) under `folder`. The model's weights are drawn from the global RNG."""
     model = nn.Sequential(nn.Linear(shapes[0], shapes[1]), nn.ReLU(), nn.Linear(shapes[1], 4))
