@@ -35,10 +35,11 @@ from titanlite.models.llama.model import Transformer
 HF = get_family("llama3").hf
 
 
-def slow_save(folder: str) -> None:
-    """Save step 1, then hang in the save of step 2 once its data files are on disk and its
-    .metadata is not, after touching `writing`: the test then kills this process."""
-    mgr = build_manager(folder)
+def slow_save(folder: str, checkpoint_folder: str = "checkpoint") -> None:
+    """Save step 1, then hang in the save of step 2 once its data files are on disk (or in
+    object storage at `checkpoint_folder`) and its .metadata is not, after touching `writing`:
+    the test then kills this process."""
+    mgr = build_manager(folder, folder=checkpoint_folder)
     train_steps(mgr, 1)
     orig = FileSystemWriter.write_data
 
