@@ -5,6 +5,7 @@ script (this folder first on its sys.path), imports them directly.
 """
 
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from titanlite.checkpoint import CheckpointManager, plan_load
 from titanlite.checkpoint.staging import ReusingStager
@@ -119,6 +121,22 @@ def keep_staged(staged: list):
     return spy
 
 
+def hang_after_writing(flag: Path) -> None:
+    """From now on, a save's data writes (local or fsspec: DCP's FileSystemWriter.write_data)
+    finish, touch `flag` and hang before the .metadata is written: a process killed then has
+    left a save midway."""
+    orig = FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        fut = orig(self, plan, planner)
+        fut.wait()
+        flag.touch()
+        time.sleep(600)
+        return fut
+
+    FileSystemWriter.write_data = slow_write
+
+
 def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """All weights of a Hugging Face folder, by HF name."""
     weights = {}
@@ -133,5 +151,5 @@ def tiny():
     return SimpleNamespace(
         manager=build_manager, train=train_steps, resume=resume, snapshot=snapshot,
         assert_same=assert_same, assert_resumes_as=assert_resumes_as, keep_staged=keep_staged,
-        hf_weights=hf_weights,
+        hf_weights=hf_weights, hang_after_writing=hang_after_writing,
     )  # fmt: skip
