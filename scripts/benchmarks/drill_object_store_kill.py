@@ -8,6 +8,7 @@ Reports the killed step, how long after the rerun's launch it was reported as pa
 the rerun resumed from and when it trained again: the row of docs/faults.md.
 """
 
+import argparse
 import os
 import re
 import signal
@@ -45,7 +46,8 @@ def midway(folder) -> int | None:
     return max(partial) if partial and max(steps) >= 4 else None
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     server = start_moto()
     folder = location(URL)
     folder.fs.mkdir("s3://drill")
