@@ -11,7 +11,12 @@ from pathlib import Path
 import torch
 from torch.torch_version import TorchVersion
 
-from titanlite.checkpoint.storage import EXTRAS, missing_client, url_scheme
+from titanlite.checkpoint.storage import (
+    EXTRAS,
+    missing_client,
+    object_store_unwritable,
+    url_scheme,
+)
 from titanlite.config import (
     Checkpoint,
     Comm,
@@ -415,6 +420,11 @@ def check_output_folders(cfg: JobConfig) -> None:
     rank 0 while the other ranks wait out training.data_build_timeout_s."""
     for what, folder in output_folders(cfg).items():
         check_writable(what, folder)
+    if url_scheme(cfg.checkpoint.folder) and cfg.checkpoint.enable:
+        # A wrong bucket or missing credentials fail here, not at the first save hours later.
+        problem = object_store_unwritable(cfg.checkpoint.folder)
+        if problem:
+            raise ConfigError(f"checkpoint.folder {cfg.checkpoint.folder}: {problem}")
 
 
 def output_folders(cfg: JobConfig) -> dict[str, Path]:

@@ -19,7 +19,9 @@ from conftest import REPO, TINY_TRAIN, read_jsonl, train_many
 
 from titanlite.checkpoint import CheckpointError, plan_load, scan_checkpoints
 from titanlite.checkpoint.storage import location
-from titanlite.config import Checkpoint
+from titanlite.checks import check_output_folders
+from titanlite.config import Checkpoint, ConfigError
+from titanlite.config_parse import parse_args
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -132,6 +134,17 @@ def test_hf_export_from_object_storage_equals_the_local_export(runs, s3, tmp_pat
     assert any(n.endswith(".safetensors") for n in exported)
     for n in exported:
         assert (tmp_path / "from_s3" / n).read_bytes() == (tmp_path / "from_disk" / n).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_bucket_that_cannot_be_written_stops_the_run_at_start(s3):
+    cfg = parse_args(["--checkpoint.enable", "--checkpoint.folder", f"{s3}/run/checkpoint"])
+    check_output_folders(cfg)  # the bucket exists: a probe object written and deleted
+    assert not location(s3).fs.find(f"{s3}/run")
+    cfg.checkpoint.folder = "s3://no-such-bucket/run/checkpoint"
+    with pytest.raises(ConfigError, match="checkpoint.folder s3://no-such-bucket/run/check.*"
+                       "cannot write there .*bucket does not exist"):  # fmt: skip
+        check_output_folders(cfg)
 
 
 def _save_then_hang(tiny, folder: Path, checkpoint_folder: str) -> None:

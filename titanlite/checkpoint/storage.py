@@ -14,6 +14,7 @@ AWS_PROFILE, ...; GOOGLE_APPLICATION_CREDENTIALS), as for any fsspec client.
 import importlib.util
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -58,6 +59,20 @@ def location(value: str):
     from upath import UPath
 
     return UPath(value, **_OPTIONS)
+
+
+def object_store_unwritable(url: str) -> str | None:
+    """Why an object can not be written and deleted under `url` (None: it can), in one line."""
+    probe = location(url) / f".titanlite-probe-{uuid.uuid4().hex}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except Exception as e:  # botocore's and gcsfs's errors share no base class but Exception
+        return (
+            f"cannot write there ({type(e).__name__}: {e}); check the bucket's name, the "
+            "credentials and, for a server other than AWS, AWS_ENDPOINT_URL"
+        )
+    return None
 
 
 def checkpoint_folder(dump_folder, folder: str):
