@@ -34,7 +34,11 @@ from titanlite.config_parse import (
     parse_args,
     with_quick_start_config,
 )
-from titanlite.data.loader import build_train_loader, build_validation_loader
+from titanlite.data.loader import (
+    build_source_validation_loaders,
+    build_train_loader,
+    build_validation_loader,
+)
 from titanlite.distributed import (
     CollectiveTimeouts,
     PeerFailure,
@@ -77,6 +81,7 @@ from titanlite.preemption import Preemption
 from titanlite.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titanlite.rehearsal import rehearse
 from titanlite.shared_storage import check_job_folders_shared
+from titanlite.source_loss import StepSources, source_losses
 from titanlite.straggler import SlowRankFinder, local_numel, synchronize
 from titanlite.train_state import TrainState
 
@@ -84,47 +89,57 @@ logger = logging.getLogger("titanlite")
 
 
 def forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0, sync_only_last=False,
-                     context=contextlib.nullcontext) -> torch.Tensor:  # fmt: skip
+                     context=contextlib.nullcontext, sources=None) -> torch.Tensor:  # fmt: skip
     """Backpropagate each microbatch at once (its activations are freed before the next), its
     summed loss times `loss_scale` = 1 / the step's target tokens over every microbatch and every
     data-parallel rank: the gradients are those of the step's mean loss, with no pass over them
-    afterwards. Returns this rank's summed loss over its microbatches (detached)."""
-    loss_sum = torch.zeros((), device=loss_scale.device)
+    afterwards. Returns this rank's summed loss over its microbatches (detached); with a
+    mixture's `sources` (StepSources), [1 + n]: that sum, then its per-source sums."""
+    loss_sum = torch.zeros(() if sources is None else 1 + sources.n, device=loss_scale.device)
     for i, (tokens, labels) in enumerate(microbatches):
         if sync_only_last:  # FSDP reduce-scatters only after the last microbatch's backward
             model.set_requires_gradient_sync(i == len(microbatches) - 1)
+        by = {} if sources is None else {"row_sources": sources.rows[i]}
         with context():
-            mb_loss = local_value(model(tokens, labels, chunk_tokens=chunk_tokens))
+            out = model(tokens, labels, chunk_tokens=chunk_tokens, **by)
+            mb_loss = local_value(out[0] if by else out)
             (mb_loss * loss_scale).backward()
-        loss_sum += mb_loss.detach()
+        mb_loss = mb_loss.detach()
+        loss_sum += torch.cat([mb_loss[None], out[1]]) if by else mb_loss
     return loss_sum
 
 
 def pipeline_forward_backward(model, microbatches, loss_scale, *, chunk_tokens=0,
-                              context=contextlib.nullcontext, **_) -> torch.Tensor:  # fmt: skip
+                              context=contextlib.nullcontext, sources=None,
+                              **_) -> torch.Tensor:  # fmt: skip
     """forward_backward through the pipeline: each microbatch is one schedule step, which splits
     it into pipeline microbatches and scales each one's summed loss by `loss_scale` (0 is
-    returned on ranks without the last stage)."""
-    loss_sum = torch.zeros((), device=loss_scale.device)
-    for tokens, labels in microbatches:
+    returned on ranks without the last stage; with `sources`, [1 + n] as forward_backward's)."""
+    loss_sum = torch.zeros(() if sources is None else 1 + sources.n, device=loss_scale.device)
+    for i, (tokens, labels) in enumerate(microbatches):
+        by = {} if sources is None else {"row_sources": sources.rows[i]}
         with context():
-            loss_sum += model.forward_backward(tokens, labels, loss_scale, chunk_tokens)
+            loss_sum += model.forward_backward(tokens, labels, loss_scale, chunk_tokens, **by)
+    model.reduce_tied_grads()
     return loss_sum
 
 
-def count_step_tokens(microbatches, counts: bool, stop_vote: bool, device):
-    """(target tokens of the whole step, number of ranks asking to stop), from one all-reduce
+def count_step_tokens(microbatches, counts: bool, stop_vote: bool, device, by_source=None):
+    """(target tokens of the whole step, number of ranks asking to stop, and with `by_source`
+    (this rank's tokens per source) the step's per source, else None), from one all-reduce
     over every rank and without a host sync. Ranks whose labels a peer already counts (TP peers
     hold the same labels) pass counts=False. int64: exact at any batch size."""
     zero = torch.zeros((), dtype=torch.int64)
     local = sum(((labels != IGNORE_INDEX).sum() for _, labels in microbatches), zero)
     votes = torch.stack([local if counts else zero, torch.tensor(int(stop_vote))])
+    if by_source is not None:
+        votes = torch.cat([votes, by_source if counts else torch.zeros_like(by_source)])
     votes = world_sum(to_device(votes, device))
-    return votes[0], votes[1]
+    return votes[0], votes[1], None if by_source is None else votes[2:]
 
 
 class StepResult(NamedTuple):
-    loss_sum: torch.Tensor  # this rank's summed loss (device)
+    loss_sum: torch.Tensor  # this rank's summed loss (device); a mixture's: [1 + per source]
     tokens: torch.Tensor  # the step's target tokens over all dp ranks (device)
     grad_norm: torch.Tensor
     block_norms: torch.Tensor | None  # per block_names(), on log steps with log_layer_grad_norms
@@ -133,6 +148,7 @@ class StepResult(NamedTuple):
     data_seconds: float
     seconds: float
     optimizer_seconds: float | None  # on log steps (device-synced), when the optimizer ran here
+    source_tokens: torch.Tensor | None = None  # a mixture's: the step's tokens per source (device)
 
 
 class Every:
@@ -157,10 +173,10 @@ class Trainer:
         # Before anything slow: a checkpoint that is not there fails in seconds, at any scale.
         load_plan = plan_load(cfg.checkpoint, cfg.job.dump_folder)
         self.parallel_dims.build_mesh(self.device.type)
-        val_loader = self._build_data(job)
+        val_loaders = self._build_data(job)
         # No weights are drawn that the checkpoint would overwrite (hours at 405B).
         self._build_model(job, draw_weights=load_plan is None)
-        self._build_services(val_loader)
+        self._build_services(*val_loaders)
         folder = checkpoint_folder(cfg.job.dump_folder, cfg.checkpoint.folder)
         self._build_metrics(resuming=load_plan is not None and load_plan.path.parent == folder)
         self._resume(load_plan)
@@ -180,7 +196,8 @@ class Trainer:
         return job
 
     def _build_data(self, job):
-        """The training loader and its sample-id log; returns the validation loader (or None)."""
+        """The training loader and its sample-id log; returns the validation loader (or None)
+        and a mixture's per-source ones ({name: loader})."""
         cfg, t, pd = self.cfg, self.cfg.training, self.parallel_dims
         ranks = dict(dp_rank=pd.dp_rank, dp_degree=pd.dp_degree)
         vocab = self.model_args.vocab_size
@@ -194,8 +211,14 @@ class Trainer:
             cfg.debug.log_sample_ids, cfg.job.dump_folder, self.rank == self.log_rank, self.loader
         )
         if not cfg.validation.enable:
-            return None
-        return build_validation_loader(t, cfg.validation, job.tokenizer, **ranks, vocab_size=vocab)
+            return None, {}
+        per_source = build_source_validation_loaders(
+            t, cfg.validation, job.tokenizer, **ranks, vocab_size=vocab
+        )
+        if t.mixture and not cfg.validation.dataset_path:  # its sources' own (checked) only
+            return None, per_source
+        val = build_validation_loader(t, cfg.validation, job.tokenizer, **ranks, vocab_size=vocab)
+        return val, per_source
 
     def _build_model(self, job, draw_weights: bool):
         """The parallelized model on this device, its optimizer and LR schedule."""
@@ -223,7 +246,7 @@ class Trainer:
         )
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
 
-    def _build_services(self, val_loader):
+    def _build_services(self, val_loader, source_val_loaders):
         """What the loop asks each step: checkpoints, collective timeouts, preemption and
         validation."""
         cfg, steps = self.cfg, self.cfg.training.steps
@@ -238,10 +261,11 @@ class Trainer:
         )  # fmt: skip
         self.timeouts = CollectiveTimeouts(cfg.comm, keep=(self.checkpointer.process_group,))
         self.preemption = Preemption()
-        val_schedule = Every(cfg.validation.freq, steps, enabled=val_loader is not None)
+        validates = val_loader is not None or bool(source_val_loaders)
+        val_schedule = Every(cfg.validation.freq, steps, enabled=validates)
         self.validator = Validator(
             val_loader, cfg.validation, val_schedule, self.model_context, self.parallel_dims,
-            self.device,
+            self.device, source_val_loaders,
         )  # fmt: skip
 
     def _build_metrics(self, resuming: bool):
@@ -342,16 +366,22 @@ class Trainer:
         microbatches = self.loader.next_step()
         t_data = time.perf_counter() - t0
         counts, device = self.parallel_dims.counts_step_tokens, self.device
-        tokens, stop_votes = count_step_tokens(
-            microbatches, counts, self.preemption.requested, device
-        )
+        sources = self.loader.step_sources()  # a mixture's: each row's source (loss/<name>)
+        if sources is not None:
+            n = len(self.loader.source_names())
+            sources = StepSources(sources, microbatches, n, device)
+        tokens, stop_votes, source_tokens = count_step_tokens(
+            microbatches, counts, self.preemption.requested, device,
+            None if sources is None else sources.tokens,
+        )  # fmt: skip
         microbatches = [(to_device(x, device), to_device(y, device)) for x, y in microbatches]
         if self.step_in_backward is not None:  # backward steps the weights a save may be copying
             self.checkpointer.wait_for_staging()
         loss_sum = self.forward_backward(
             self.model, microbatches, 1.0 / tokens, chunk_tokens=self.cfg.loss.chunk_tokens,
-            sync_only_last=self.sync_only_last, context=self.model_context,
+            sync_only_last=self.sync_only_last, context=self.model_context, sources=sources,
         )  # fmt: skip
+        all_sums, loss_sum = loss_sum, loss_sum if sources is None else loss_sum[0]
         grad_norm, block_norms = self.clip_gradients(by_block=log and self.block_names is not None)
         # The step's one host sync. A NaN/inf anywhere makes the global norm non-finite on every
         # rank, so all ranks take the same branch and bad weights are never stepped into (or,
@@ -382,8 +412,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
         return StepResult(
-            loss_sum, tokens, grad_norm, block_norms, lr, stop, t_data, seconds, optimizer_seconds
-        )
+            all_sums, tokens, grad_norm, block_norms, lr, stop, t_data, seconds, optimizer_seconds,
+            source_tokens,
+        )  # fmt: skip
 
     def clip_gradients(self, by_block: bool):
         """Clip to training.max_norm by the global norm; returns it, and with `by_block` each
@@ -406,8 +437,14 @@ class Trainer:
         values = compute_throughput(
             tokens_per_device * window.steps, window.seconds, self.flops_per_token, self.peak_flops
         )
+        # A mixture's per-source sums reduced with the loss, in the same all-reduce.
+        sums = dist_sum(out.loss_sum, self.parallel_dims.loss_mesh)
+        if out.source_tokens is not None:
+            names = self.loader.source_names()
+            values.update(source_losses(names, sums[1:], out.source_tokens))  # loss/<name>
+            sums = sums[0]
         values.update(
-            loss=dist_sum(out.loss_sum, self.parallel_dims.loss_mesh) / out.tokens,
+            loss=sums / out.tokens,
             grad_norm=out.grad_norm,
             lr=out.lr,
             **self.memory.log_values(),

@@ -9,7 +9,8 @@ object per logged step to {dump_folder}/metrics.jsonl. The figure has one panel 
 against the step: loss (train solid; validation dashed with dots, where validation ran),
 learning rate, grad norm, tokens/s per device, MFU, peak memory (reserved; on CUDA also
 active, dashed), data-loading time as a share of step time and, for a weighted mixture, the
-tokens each source gave (tokens_seen/<name>, a line style per source). One colour per run, named by
+loss of each source (loss/<name>; validation val_loss/<name> with dots) and the tokens each
+source gave (tokens_seen/<name>), a line style per source. One colour per run, named by
 its folder. A panel no run logged a value for (MFU without a known peak) is left out, and so
 is a line (validation loss where validation never ran). The image format follows the -o suffix
 (png, pdf, svg).
@@ -66,18 +67,30 @@ PANELS = (
     Panel("data loading (% of step time)", (Series("data_time_pct"),)),
 )
 PLOTTED_KEYS = {s.key for p in PANELS for s in p.series}
-SOURCE_TOKENS = "tokens_seen/"  # a mixture's tokens per source (titanlite/data/mixture.py)
+# A mixture's per-source keys (titanlite/source_loss.py, titanlite/data/mixture.py): per panel,
+# (prefix, marker, legend suffix) of its lines.
+SOURCE_PANELS = {
+    "loss per source": (("loss/", "", ""), ("val_loss/", "o", " (validation)")),
+    "tokens per source": (("tokens_seen/", "", ""),),
+}
 
 
 def source_panel(runs: dict[str, dict[int, dict]]) -> list[Panel]:
-    """A mixture run's panel: each source's tokens seen, one line style per source."""
+    """A mixture run's panels: each source's loss and tokens seen, one line style per source."""
     logged = {key for records in runs.values() for r in records.values() for key in r}
-    keys = sorted(k for k in logged if k.startswith(SOURCE_TOKENS))
+    prefixes = [prefix for lines in SOURCE_PANELS.values() for prefix, _, _ in lines]
+    names = sorted({k.split("/", 1)[1] for k in logged if k.startswith(tuple(prefixes))})
     styles = ("-", "--", ":", "-.")
-    series = [
-        Series(k, styles[i % 4], "", k.removeprefix(SOURCE_TOKENS)) for i, k in enumerate(keys)
-    ]
-    return [Panel("tokens per source", tuple(series))] if series else []
+    panels = []
+    for title, lines in SOURCE_PANELS.items():
+        series = [
+            Series(prefix + name, styles[i % 4], marker, name + suffix)
+            for i, name in enumerate(names)
+            for prefix, marker, suffix in lines
+            if prefix + name in logged
+        ]
+        panels += [Panel(title, tuple(series))] if series else []
+    return panels
 
 
 def metrics_file(run: Path) -> Path:

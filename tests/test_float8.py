@@ -13,8 +13,9 @@ from torch import nn
 import train
 from titanlite.config_parse import parse_args
 from titanlite.float8 import FLOAT8, maybe_convert_float8, tp_styles
+from titanlite.models import get_family
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
 
 F8 = ["--model.converters", FLOAT8, "--quantize.linear.float8.emulate"]
 BLOCK_LINEARS = [f"attention.{w}" for w in ("wq", "wk", "wv", "wo")] + [
@@ -27,14 +28,24 @@ def meta_model() -> nn.Module:
         return Transformer(get_model_args("debugmodel", vocab_size=512, max_seq_len=32))
 
 
-def test_every_block_linear_converts_and_output_stays():
-    model = meta_model()
-    keys = list(model.state_dict())
+def qwen3_tied_model() -> nn.Module:
+    """Qwen3's tied flavor: QK-norm (not linears) in each block, the output reading the
+    embedding."""
+    family = get_family("qwen3")
+    with torch.device("meta"):
+        return family.model_cls(family.model_args("debugmodel_tied", 512, 32))
+
+
+@pytest.mark.parametrize("build, blocks", [(meta_model, 6), (qwen3_tied_model, 4)],
+                         ids=["llama3", "qwen3_tied"])  # fmt: skip
+def test_every_block_linear_converts_and_output_stays(build, blocks):
+    model = build()
+    keys, output = list(model.state_dict()), type(model.output)
     converted = maybe_convert_float8(model, parse_args(F8))
-    expected = [f"layers.{i}.{name}" for i in range(6) for name in BLOCK_LINEARS]
+    expected = [f"layers.{i}.{name}" for i in range(blocks) for name in BLOCK_LINEARS]
     assert sorted(converted) == sorted(expected)
     assert {type(model.get_submodule(n)).__name__ for n in expected} == {"Float8Linear"}
-    assert type(model.output) is nn.Linear  # filter_fqns' default, as torchtitan's
+    assert type(model.output) is output  # filter_fqns' default, as torchtitan's
     assert list(model.state_dict()) == keys  # checkpoints are the same with or without float8
 
 

@@ -16,8 +16,8 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.eval.generate import Sampling, generate
 from titanlite.hf_export import write_tokenizer_files
 from titanlite.models import pad_vocab
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,3 +141,25 @@ def test_a_runs_hf_tokenizer_files_are_copied_as_they_are(export, tmp_path):
     assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     assert json.loads((dst / "tokenizer_config.json").read_text()) == config
     assert transformers.AutoTokenizer.from_pretrained(dst).model_max_length == 7
+
+
+def test_transformers_generate_never_emits_the_padding_ids(export):
+    """A model that ranks the vocabulary's padding rows first (as a barely trained one may):
+    generation_config.json suppresses them, and without that transformers would emit them."""
+    _, tok, out = export
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    vocab = hf.config.vocab_size
+    assert hf.generation_config.suppress_tokens == list(range(tok.n_words, vocab))
+
+    def padding_first(module, inputs, logits):
+        return logits + torch.cat(
+            [torch.zeros(tok.n_words), torch.full((vocab - tok.n_words,), 1e4)]
+        )
+
+    hf.lm_head.register_forward_hook(padding_first)
+    prompt = torch.tensor([tok.encode(SAMPLES[0], bos=True, eos=False)])
+    greedy = {"max_new_tokens": 4, "do_sample": False}
+    new = hf.generate(prompt, **greedy)[0, prompt.shape[1] :]
+    assert len(new) and new.max() < tok.n_words
+    unsuppressed = hf.generate(prompt, suppress_tokens=None, **greedy)[0, prompt.shape[1] :]
+    assert unsuppressed.min() >= tok.n_words

@@ -47,3 +47,21 @@ def test_a_model_for_a_given_vocab_builds_no_tokenizer():
     model = resolve_model(config, vocab_size=1024)
     assert model.tokenizer is None and model.args.vocab_size == 1024
     assert resolve_model(config).args.vocab_size == 640  # 512 + specials, padded
+
+
+def test_a_tokenizer_larger_than_the_checkpoints_vocabulary_is_one_line(tmp_path):
+    """Starting from an HF folder, its config.json's vocab_size is the model's vocabulary."""
+    (tmp_path / "config.json").write_text('{"vocab_size": 256}')
+    load = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(tmp_path)]
+    config = parse_args([*TINY_TRAIN, *load])
+    with pytest.raises(ConfigError) as info:
+        resolve_model(config)
+    n_words = resolve_model(parse_args(TINY_TRAIN)).tokenizer.n_words
+    assert str(info.value) == (
+        f"the tokenizer has {n_words} ids but the model's vocabulary (vocab_size in "
+        f"{tmp_path / 'config.json'}) has 256 rows: set model.tokenizer_path to the model's own "
+        f"tokenizer (at most 256 ids), or start from a checkpoint with at least {n_words} rows"
+    )
+    # A checkpoint with more rows than the tokenizer has ids (Qwen3's) keeps them all.
+    (tmp_path / "config.json").write_text(f'{{"vocab_size": {n_words + 300}}}')
+    assert resolve_model(parse_args([*TINY_TRAIN, *load])).args.vocab_size == n_words + 300

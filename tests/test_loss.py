@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import titanlite.loss as loss_module
 from titanlite.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy_sum
+from titanlite.loss import WHOLE_VOCAB as WHOLE
 
 B, S, D, V = 2, 24, 16, 37  # N = 48 tokens
 
@@ -213,3 +214,31 @@ def test_compiled_plain_loss_keeps_only_the_logits_gradient(tmp_path):
     # Both round the same fp32 softmax gradient to bf16; fused, its fp32 terms are summed in
     # another order, which may move a rounding across one bf16 step (up to 2**-7 relative).
     torch.testing.assert_close(logits.grad, eager, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 7, 1000])  # 0: the plain loss
+def test_per_source_sums_are_the_rows_losses_and_leave_the_gradients_alone(chunk_tokens):
+    """With a mixture's row sources (row 0 from source 2, row 1 from source 0, none from 1) the
+    loss also returns each source's summed loss, from the same per-token losses: each equals its
+    rows' loss alone; the loss and gradients are those without sources."""
+    h, w, labels = make_inputs()
+    rows = F.one_hot(torch.tensor([2, 0]), 3).bfloat16()  # as FSDP's bf16 input cast gives them
+    fn = plain if chunk_tokens == 0 else chunked(chunk_tokens)
+    ref = loss_and_grads(fn, h, w, labels, scale=0.37)
+    sums = []
+
+    def with_sources(h, w, labels):
+        if chunk_tokens == 0:
+            total, by_source = cross_entropy_sum(h @ w.T, labels, row_sources=rows)
+        else:
+            total, by_source = linear_cross_entropy_sum(h, w, labels, chunk_tokens, WHOLE, rows)
+        sums.append(by_source)
+        return total
+
+    out = loss_and_grads(with_sources, h, w, labels, scale=0.37)
+    for got, want in zip(out, ref, strict=True):
+        assert_close_fp32(got, want)
+    (by_source,) = sums
+    assert not by_source.requires_grad and by_source.shape == (3,)
+    alone = [fn(h[i : i + 1], w, labels[i : i + 1]).detach() for i in range(B)]
+    assert_close_fp32(by_source, torch.stack([alone[1], torch.tensor(0.0), alone[0]]))

@@ -174,9 +174,9 @@ def test_compiled_block_saves_what_the_estimate_counts(option, monkeypatch):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
-    import titanlite.models.llama.model as model_module
+    import titanlite.models.decoder.model as model_module
     from titanlite.models import kernels
-    from titanlite.models.llama.parallelize import apply_ac, apply_compile
+    from titanlite.models.decoder.parallelize import apply_ac, apply_compile
 
     monkeypatch.setattr(kernels, "native_gqa", lambda device: True)  # as on a GPU
     args = replace(ARGS, n_kv_heads=2, n_layers=1)
@@ -413,6 +413,18 @@ def test_pp_ranks_hold_their_stages_and_the_ends_the_root_parts():
     assert activation_bytes(last) == pytest.approx(per_mb * 1 + grads)
     gpipe = replace(pp_setup("GPipe", local_batch_size=4), pp_rank=1)
     assert activation_bytes(gpipe) == pytest.approx(per_mb * 4 + grads)
+
+
+def test_a_tied_outputs_last_stage_holds_a_copy_of_the_embedding():
+    tied = replace(ARGS, tie_embeddings=True)
+    c = param_counts(tied)
+    block = c["block_split"] + c["block_replicated"]
+    assert c["output"] == 0
+    first, last = (replace(pp_setup(), model_args=tied, pp_rank=r) for r in (0, 1))
+    assert estimate(first).rows["params (fp32, sharded)"] == (block + c["embedding"]) * 4
+    assert estimate(last).rows["params (fp32, sharded)"] == (block + c["embedding"] + c["norm"]) * 4
+    one = setup(model_args=tied, param_dtype="float32")
+    assert estimate(one).rows["params (fp32, sharded)"] == c["total"] * 4  # held once
 
 
 def test_pp_fsdp_holds_the_stage_gradient_in_fp32_until_the_last_microbatch():

@@ -73,3 +73,12 @@ def test_sample_id_log_writes_the_served_steps_samples(tmp_path):
     assert not (tmp_path / "other").exists()
     with pytest.raises(ConfigError, match="debug.log_sample_ids needs map-style data"):
         SampleIdLog(True, str(tmp_path), True, SimpleNamespace(sharded=True))
+
+
+def test_a_mixtures_per_source_losses_are_tagged_beside_the_loss():
+    from titanlite.metrics_sinks import tagged
+
+    floats = {"loss": 3.0, "loss/web": 3.5, "val_loss": 2.0, "val_loss/web": 2.5}
+    assert tagged(floats) == {
+        "loss/global": 3.0, "loss/web": 3.5, "loss/validation": 2.0, "loss/validation/web": 2.5,
+    }  # fmt: skip

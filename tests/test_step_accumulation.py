@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from numerics import rel
 
 import train
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
 
 
 def naive_batch(vocab: int, gen: torch.Generator):
@@ -38,7 +38,7 @@ def test_trainer_step_equals_one_mean_over_the_global_batch():
 
     # The trainer's own step code on uneven microbatches (rows 1 | 2 | 1): sum x (1 / 28).
     microbatches = [(tokens[:1], labels[:1]), (tokens[1:3], labels[1:3]), (tokens[3:], labels[3:])]
-    global_tokens, _ = train.count_step_tokens(microbatches, True, False, torch.device("cpu"))
+    global_tokens, _, _ = train.count_step_tokens(microbatches, True, False, torch.device("cpu"))
     assert global_tokens.item() == 28
     loss_sum = train.forward_backward(model, microbatches, 1.0 / global_tokens.double())
     trainer_loss = (loss_sum / global_tokens).item()

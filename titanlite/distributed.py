@@ -293,7 +293,8 @@ def grad_square_sums(
     buckets: dict[tuple, dict[int, list[torch.Tensor]]] = {}
     for i, params in enumerate(groups):
         for p in params:
-            if p.grad is not None:
+            # (A tied weight's copy on the last pipeline stage: the first stage counts it.)
+            if p.grad is not None and not getattr(p, "counted_on_another_stage", False):
                 grad = _summed(p.grad)
                 key = (_reduce_group(grad), grad.device)
                 buckets.setdefault(key, {}).setdefault(i, []).append(local_value(grad))

@@ -5,7 +5,7 @@ model load it with no manual step.
 The tokenizer: when the run read a Hugging Face tokenizer (model.tokenizer_path naming a
 tokenizer.json or a folder holding one), its files are copied as they are; otherwise (a tiktoken
 encoding or BPE rank file) tokenizer.json is converted from the encoding with the run's ids
-(titanlite.hf_tokenizer). Either way the ids in config.json are the run's tokenizer's.
+(titanlite.data.hf_tokenizer). Either way the ids in config.json are the run's tokenizer's.
 titanlite has no padding token; the export names EOS as one, for batched generation.
 """
 
@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from titanlite.hf_tokenizer import tokenizer_from_tiktoken
+from titanlite.data.hf_tokenizer import tokenizer_from_tiktoken
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -67,7 +67,7 @@ def write_tokenizer_files(out: Path, tokenizer, tokenizer_path: str, max_len: in
 
 def write_export_files(out: Path, tokenizer, tokenizer_path: str, max_len: int) -> None:
     """Complete the weights folder `out` (config.json written): tokenizer files, the run's special
-    ids in config.json, generation_config.json."""
+    ids in config.json, generation_config.json (which suppresses the padding ids)."""
     write_tokenizer_files(out, tokenizer, tokenizer_path, max_len)
     ids = {
         "bos_token_id": tokenizer.bos_id,
@@ -77,4 +77,8 @@ def write_export_files(out: Path, tokenizer, tokenizer_path: str, max_len: int) 
     config = json.loads((out / "config.json").read_text())
     # transformers >= 5 names the dtype "dtype"; older ones read "torch_dtype".
     _write_json(out / "config.json", {**config, **ids, "dtype": config["torch_dtype"]})
-    _write_json(out / "generation_config.json", ids)
+    # The vocabulary's padding rows (past the tokenizer's ids) decode to nothing, and titanlite's
+    # generate never chooses them; a barely trained model may still rank one first, so
+    # transformers' generate is told to suppress them too.
+    padding = list(range(tokenizer.n_words, config["vocab_size"]))
+    _write_json(out / "generation_config.json", {**ids, "suppress_tokens": padding or None})

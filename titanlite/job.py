@@ -10,14 +10,16 @@ it; the seed checkpoint, generate.py and the estimator, which need only the mode
 resolve_model.
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from titanlite.build import model_args_for, model_args_for_vocab
-from titanlite.checks import check_job, check_options, check_run
-from titanlite.config import ConfigError, JobConfig, Training
+from titanlite.checks import check_job, check_options, check_run, check_tokenizer_fits
+from titanlite.config import Checkpoint, ConfigError, JobConfig, Training
 from titanlite.data.tokenizer import Tokenizer, build_tokenizer
 from titanlite.models.pipeline_plan import PipelinePlan, plan_pipeline
 from titanlite.parallel_dims import ParallelDims
@@ -81,12 +83,32 @@ def resolve_job(config: JobConfig, world: World) -> Job:
 
 
 def resolve_model(config: JobConfig, vocab_size: int | None = None) -> JobModel:
-    """The run's tokenizer and model args (the vocab padded to shard evenly); with `vocab_size`
-    no tokenizer is built (a cluster's tokenizer file, priced on a laptop)."""
+    """The run's tokenizer and model args (the vocab padded to shard evenly, or the vocab of the
+    Hugging Face checkpoint the run starts from); with `vocab_size` no tokenizer is built (a
+    cluster's tokenizer file, priced on a laptop)."""
     if vocab_size is not None:
         return JobModel(None, model_args_for_vocab(config, vocab_size))
     tokenizer = build_tokenizer(config.model)
-    return JobModel(tokenizer, model_args_for(config, tokenizer))
+    fixed = _fixed_vocab(config.checkpoint)
+    if fixed is None:
+        return JobModel(tokenizer, model_args_for(config, tokenizer))
+    check_tokenizer_fits(tokenizer.n_words, *fixed)
+    # The checkpoint's rows, which may be more than its tokenizer's ids (Qwen3: 151,936 rows
+    # for 151,669 ids): its weights load as they are.
+    args = model_args_for_vocab(config, fixed[0], tokenizer.bos_id, tokenizer.eos_id)
+    return JobModel(tokenizer, args)
+
+
+def _fixed_vocab(ckpt: Checkpoint) -> tuple[int, str] | None:
+    """(vocab_size, where it is set) of the Hugging Face checkpoint a run starts from, whose
+    vocabulary the tokenizer must fit; None where the run sizes its vocabulary itself."""
+    if not (ckpt.initial_load_path and ckpt.initial_load_in_hf):
+        return None
+    path = Path(ckpt.initial_load_path).expanduser() / "config.json"
+    if not path.is_file():  # the checkpoint plan names what the folder lacks
+        return None
+    vocab = json.loads(path.read_text()).get("vocab_size")
+    return (vocab, f"vocab_size in {path}") if isinstance(vocab, int) else None
 
 
 def resolve_global_batch(training: Training, dp_degree: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ class VocabShard(NamedTuple):
     with the processes holding the rest of the vocabulary (in place, returning the tensor).
 
     The loss knows nothing of ranks: tensor parallelism passes a shard whose reductions are
-    all-reduces over its group (models/llama/tp_loss.py); one process holds the whole vocab.
+    all-reduces over its group (models/decoder/tp_loss.py); one process holds the whole vocab.
     """
 
     vocab_start: int
@@ -31,11 +31,25 @@ class VocabShard(NamedTuple):
 WHOLE_VOCAB = VocabShard(0, lambda t: t, lambda t: t)
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of per-token cross-entropy; logits [..., V], labels [...] with IGNORE_INDEX skipped."""
+def by_source(token_losses: torch.Tensor, labels: torch.Tensor, row_sources: torch.Tensor):
+    """Per-source sums of per-token losses [N] (0 where ignored), detached: each row's sum
+    [b] times the rows' one-hot sources [b, n] -> [n] (fp32: FSDP casts a forward's float
+    inputs, these too, to the compute dtype; 0 and 1 survive it). A plain tensor also under
+    loss parallel (every TP rank holds every token's loss)."""
+    local = token_losses.to_local() if hasattr(token_losses, "to_local") else token_losses
+    return local.detach().view(labels.shape[0], -1).sum(1) @ row_sources.float()
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, row_sources=None):
+    """Sum of per-token cross-entropy; logits [..., V], labels [...] with IGNORE_INDEX skipped.
+    With `row_sources` (the rows' one-hot sources [b, n], a mixture's), returns (sum, per-source
+    sums [n]) from the same per-token losses."""
     # Upcast: bf16 logsumexp over a 128k vocab loses too much precision.
     flat = logits.flatten(0, -2).float()  # [..., V] -> [N, V]
-    return F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    if row_sources is None:
+        return F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    per_token = F.cross_entropy(flat, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return per_token.sum(), by_source(per_token, labels, row_sources)
 
 
 def _chunk_logits(h_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -84,8 +98,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_tokens, shard: VocabShard):
-        # h [N, d], weight [V_local, d], labels [N]
+    def forward(ctx, h, weight, labels, chunk_tokens, shard: VocabShard, token_losses=None):
+        # h [N, d], weight [V_local, d], labels [N]; token_losses [N] (optional) gets each
+        # token's loss, outside autograd (a mixture's per-source sums)
         n, local_vocab = h.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -100,7 +115,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             sumexp = logits.sub_(m.unsqueeze(1)).exp_().sum(dim=1)  # [t]
             both = shard.all_sum(torch.stack([sumexp, target]))  # [2, t]
             chunk_lse = m + both[0].log()
-            total += torch.where(y != IGNORE_INDEX, chunk_lse - both[1], 0.0).sum()
+            losses = torch.where(y != IGNORE_INDEX, chunk_lse - both[1], 0.0)
+            total += losses.sum()
+            if token_losses is not None:
+                token_losses[start:end] = losses
             lse[start:end] = chunk_lse
         ctx.chunk_tokens, ctx.shard = chunk_tokens, shard
         ctx.save_for_backward(h, weight, labels, lse)
@@ -138,7 +156,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if need_h:
             # Each rank's vocab slice contributes a partial dL/dh; h is replicated, so sum them.
             grad_h = ctx.shard.all_sum(grad_h).to(h.dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -147,8 +165,10 @@ def linear_cross_entropy_sum(
     labels: torch.Tensor,
     chunk_tokens: int,
     shard: VocabShard = WHOLE_VOCAB,
-) -> torch.Tensor:
-    """Equal to cross_entropy_sum(h @ weight.T, labels), computed chunk_tokens tokens at a time.
+    row_sources: torch.Tensor | None = None,
+):
+    """Equal to cross_entropy_sum(h @ weight.T, labels[, row_sources]), computed chunk_tokens
+    tokens at a time.
 
     h [b, s, d] or [N, d], weight [V_local, d], labels [b, s] or [N] in [0, V) or IGNORE_INDEX.
     The data loader checks the label range on the CPU: checking here would cost a device sync
@@ -159,4 +179,8 @@ def linear_cross_entropy_sum(
         raise ValueError(f"chunk_tokens must be >= 1 for the chunked loss, got {chunk_tokens}")
     flat_h = h.reshape(-1, h.shape[-1])  # [b, s, d] -> [N, d]
     flat_y = labels.reshape(-1)  # [b, s] -> [N]
-    return _LinearCrossEntropySum.apply(flat_h, weight, flat_y, chunk_tokens, shard)
+    if row_sources is None:
+        return _LinearCrossEntropySum.apply(flat_h, weight, flat_y, chunk_tokens, shard)
+    token_losses = torch.empty(flat_y.shape, dtype=torch.float32, device=flat_y.device)
+    total = _LinearCrossEntropySum.apply(flat_h, weight, flat_y, chunk_tokens, shard, token_losses)
+    return total, by_source(token_losses, labels, row_sources)

@@ -168,7 +168,7 @@ class MemorySetup:
 
     @property
     def fsdp(self) -> bool:
-        # parallelize_llama applies FSDP with data or context parallelism, a compute dtype
+        # parallelize_decoder applies FSDP with data or context parallelism, a compute dtype
         # below fp32, or CPU offload.
         sharded = self.dp_shard * self.cp > 1 or self.dp_replicate > 1
         return sharded or self.param_dtype != "float32" or self.cpu_offload
@@ -272,9 +272,13 @@ def _block_held(counts: dict[str, int], s: MemorySetup) -> float:
 
 def _root_held(counts: dict[str, int], s: MemorySetup) -> tuple[float, float]:
     """Elements of the (embedding, final norm + output) this rank holds after TP: 0 for a part
-    on another pipeline stage."""
+    on another pipeline stage. A tied output has no weight of its own, but a last stage without
+    the embedding holds a copy of it."""
+    output = counts["output"]
+    if s.model_args.tie_embeddings and not s.share.embedding:
+        output = counts["embedding"]
     embedding = counts["embedding"] / s.tp if s.share.embedding else 0.0
-    head = counts["output"] / s.tp + counts["norm"] if s.share.head else 0.0
+    head = output / s.tp + counts["norm"] if s.share.head else 0.0
     return embedding, head
 
 

@@ -46,13 +46,22 @@ _OPTIONALTB_TAGS = {
 }
 
 
+# A mixture's per-source keys (loss/<name> is its own tag, beside loss/global).
+_PREFIX_TAGS = {"val_loss/": "loss/validation/"}
+
+
+def _tag(key: str) -> str:
+    if tag := TB_TAGS.get(key) or _OPTIONALTB_TAGS.get(key):
+        return tag
+    for prefix, tag in _PREFIX_TAGS.items():
+        if key.startswith(prefix):
+            return tag + key.removeprefix(prefix)
+    return key
+
+
 def tagged(floats: dict) -> dict[str, float]:
     """What TensorBoard and W&B get: each value under its TensorBoard tag, None left out."""
-    return {
-        TB_TAGS.get(key) or _OPTIONALTB_TAGS.get(key) or key: value
-        for key, value in floats.items()
-        if value is not None
-    }
+    return {_tag(key): value for key, value in floats.items() if value is not None}
 
 
 class Sink(Protocol):

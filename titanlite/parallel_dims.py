@@ -131,14 +131,6 @@ class ParallelDims:
                 f"n_kv_heads ({n_kv_heads}): each TP rank owns whole heads; pick a degree that "
                 f"divides {n_kv_heads}"
             )
-        if model_args.tie_embeddings and (self.tp > 1 or self.pp > 1):
-            # TP shards the embedding by rows for the lookup and the output by rows for the
-            # matmul as two parameters; PP puts them on the first and last stage.
-            raise ConfigError(
-                "tied embeddings (this flavor's output is its embedding) train under FSDP/HSDP "
-                "and CP only: use tensor_parallel_degree 1 and pipeline_parallel_degree 1, or "
-                "an untied flavor"
-            )
         hidden = model_args.ffn_hidden_dim
         for name, size in (("dim", model_args.dim), ("ffn hidden dim", hidden)):
             if size % self.tp:

@@ -1,4 +1,4 @@
-"""Stop on request: SIGTERM (a scheduler's kill) or SIGUSR1 (SLURM's warning before preemption).
+"""Stop on request: SIGTERM (a preemption, a kill) or SIGUSR1 (SLURM's time-limit warning).
 
 A signal only sets a flag. The flag must become a decision every rank takes at the same step (a
 signal may reach some ranks a step later than others), so the trainer adds it to the step's

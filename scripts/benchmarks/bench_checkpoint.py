@@ -43,8 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from titanlite.checkpoint import CheckpointManager, LoadPlan  # noqa: E402
 from titanlite.config import Checkpoint  # noqa: E402
+from titanlite.models.decoder.model import Transformer  # noqa: E402
 from titanlite.models.llama.args import get_model_args  # noqa: E402
-from titanlite.models.llama.model import Transformer  # noqa: E402
 
 
 class _State:

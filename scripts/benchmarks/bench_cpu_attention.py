@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from titanlite.models import kernels as model_kernels  # noqa: E402
-from titanlite.models.llama import model as llama  # noqa: E402
+from titanlite.models.decoder import model as llama  # noqa: E402
 from titanlite.models.llama.args import get_model_args  # noqa: E402
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -30,8 +30,8 @@ from titanlite.models import (
     get_family,  # noqa: E402
     pad_vocab,  # noqa: E402
 )
+from titanlite.models.decoder.model import Transformer  # noqa: E402
 from titanlite.models.llama.args import get_model_args  # noqa: E402
-from titanlite.models.llama.model import Transformer  # noqa: E402
 
 
 def build(opts, tokenizer):

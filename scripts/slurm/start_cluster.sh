@@ -6,6 +6,9 @@
 #   FAKE_GPUS      GPUs the node advertises (default 8; 0 = none), so a script that asks for
 #                  --gpus-per-node=8 runs on a CPU machine. Their device files are links to
 #                  /dev/null: slurm only counts and hands them out, nothing opens them.
+#   GRACE_TIME     GraceTime of the partition `preemptible` (default 60): a job there that a job
+#                  of the partition `urgent` preempts gets SIGTERM, this many seconds, SIGKILL,
+#                  and is requeued. The default partition `debug` is never preempted.
 # Needs root and the Debian packages slurmctld slurmd slurm-client munge. Works without systemd:
 # the daemons are started by hand and write pid files, which stop_cluster.sh uses.
 # Afterwards every shell that talks to the cluster needs: export SLURM_CONF=$WORKDIR/slurm.conf
@@ -14,6 +17,7 @@ W=${WORKDIR:?set WORKDIR to a scratch folder}
 CTLD_PORT=${SLURMCTLD_PORT:-6817}
 SLURMD_PORT=${SLURMD_PORT:-6818}
 FAKE_GPUS=${FAKE_GPUS:-8}
+GRACE_TIME=${GRACE_TIME:-60}
 mkdir -p "$W"/state "$W"/spool "$W"/log
 
 # munge authenticates every message. The package makes the key; create one if it is missing.
@@ -74,7 +78,11 @@ ReturnToService=2
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=1
 $node $node_gres NodeAddr=127.0.0.1 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PreemptMode=OFF
+PartitionName=preemptible Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE_TIME
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 CONF
 export SLURM_CONF=$W/slurm.conf
 slurmctld  # both daemonize and write their pid files

@@ -17,7 +17,7 @@ from titanlite.checkpoint import MARKER
 from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import get_family
-from titanlite.models.llama.model import Transformer
+from titanlite.models.decoder.model import Transformer
 
 HF = get_family("llama3").hf
 

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint import filesystem
 from titanlite.checkpoint import MARKER, CheckpointError, CheckpointManager, plan_load
 from titanlite.checkpoint.integrity import ALGORITHM, file_digest
 from titanlite.config import Checkpoint, ConfigError
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
 
 WORKERS = Path(__file__).with_name("workers.py")
 

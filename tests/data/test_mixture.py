@@ -10,7 +10,7 @@ from titanlite.checks import check_options
 from titanlite.config import ConfigError, DataLoader, MixtureSource, MixtureStage, Training
 from titanlite.config_parse import parse_args
 from titanlite.data.mixture import MixtureOrder, Part
-from titanlite.data.order import PermutedOrder
+from titanlite.data.order import PermutedOrder, microbatch_rows
 
 SEQ, G = 16, 8
 WEIGHTS = {"web": 0.6, "code": 0.25, "math": 0.15}
@@ -141,6 +141,8 @@ def test_resume_at_another_dp_degree_continues_the_blend(
         ('name = "a"\nweight = 1', "'a' needs a dataset_path"),
         ('name = "a"\ndataset_path = "x"\nwieght = 1', "unknown key 'wieght'; did you mean weight"),
         ('name = "a"\ndataset_path = "x"\nweight = "high"', "weight expects a float"),
+        ('name = "a/b"\ndataset_path = "x"\nweight = 1', "name 'a/b' would collide in the"),
+        ('name = "global"\ndataset_path = "x"\nweight = 1', "neither 'global' nor 'validation'"),
     ],
 )
 def test_bad_mixtures_are_one_line_before_any_work(tmp_path, tables, error):
@@ -227,3 +229,27 @@ def test_worker_processes_make_the_same_blend(sources, tmp_path, tok, global_ste
     assert all(
         torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(ref, got, strict=True)
     )
+
+
+def test_each_rows_source_is_the_blends(sources, tmp_path, tok, train_loader):
+    """step_sources (loss/<name>): the source of each row of this rank's microbatches of the
+    step just taken, as the blend placed it: the source whose samples that row holds."""
+    cfg = mcfg(sources, tmp_path)
+    cfg.local_batch_size = 2  # dp rank 1 of 2: 2 microbatches of 2 rows
+    ld = train_loader(cfg, tok, 1, 2)
+    bases = [p.base for p in ld.order.parts]
+    seen = set()
+    try:
+        assert ld.source_names() == list(WEIGHTS)
+        for step in range(4):
+            ld.next_step()
+            for i, got in enumerate(ld.step_sources()):
+                rows = microbatch_rows(
+                    step, i, 1, dp_degree=2, num_microbatches=2, local_batch_size=2
+                )
+                owner = np.searchsorted(bases, ld.order.samples(*rows), side="right") - 1
+                assert got.tolist() == owner.tolist()
+                seen.update(got.tolist())
+    finally:
+        ld.close()
+    assert seen == {0, 1, 2}

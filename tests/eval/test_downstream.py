@@ -14,8 +14,8 @@ from titanlite.eval.downstream import DownstreamEval, build_downstream, load_tas
 from titanlite.eval.harness import TitanliteLM
 from titanlite.hf_export import write_export_files
 from titanlite.models import get_family, pad_vocab
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
 
 lm_eval = pytest.importorskip("lm_eval")
 # No process is launched, but lm-eval's start (imports, task loading, transformers' model) takes

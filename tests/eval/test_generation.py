@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from titanlite.eval.generate import Sampling, _cached_steps, generate, next_token
+from titanlite.models.decoder.model import Transformer, causal_attention
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer, causal_attention
 
 VOCAB = 256
 PROMPTS = [[1, 5, 9, 200, 17, 3, 3, 8], [1, 44], [1, 7, 7, 7, 120]]

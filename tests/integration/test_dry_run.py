@@ -14,7 +14,7 @@ from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
 from titanlite.distributed import init_distributed
 from titanlite.models import FAMILIES
-from titanlite.models.llama.model import Transformer
+from titanlite.models.decoder.model import Transformer
 
 SMALL = ["--job.config_file", "debug_model.toml", "--model.vocab_limit", "512"]
 SMALL += ["--training.seq_len", "32", "--training.local_batch_size", "2"]

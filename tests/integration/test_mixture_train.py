@@ -1,5 +1,7 @@
 """train.py on a 3-source mixture, on 1 process and on FSDP 2 (real gloo ranks): every log
-step's tokens_seen/<name> hold each source's weight within one sequence, the same on both."""
+step's tokens_seen/<name> hold each source's weight within one sequence, the same on both; its
+loss/<name> average to the logged loss, weighted by the step's tokens of each source; the
+sources with validation files get val_loss/<name>."""
 
 import json
 
@@ -14,13 +16,19 @@ SEQ = 32
 
 
 def write_mixture(folder) -> str:
+    """mix.toml: debug_model.toml with a [[training.mixture]] table per source; math's text is
+    one repeated phrase (its loss falls fastest), web and math have validation files."""
     rng, tables = np.random.default_rng(0), []
     for name, weight in WEIGHTS.items():
-        words = rng.choice(["alpha", "beta", name, "(", ")", "\n"], size=(40, 30))
-        path = folder / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"text": " ".join(w)}) + "\n" for w in words))
+        words = rng.choice(["alpha", "beta", name, "(", ")", "\n"], size=(48, 30))
+        if name == "math":
+            words[:] = ["1", "+", "1", "=", "2", "\n"] * 5
+        path, val = folder / f"{name}.jsonl", folder / f"{name}_val.jsonl"
+        for file, rows in ((path, words[:40]), (val, words[40:])):
+            file.write_text("".join(json.dumps({"text": " ".join(w)}) + "\n" for w in rows))
+        val_line = f'validation_path = "{val}"\n' if name != "code" else ""
         tables.append(f'[[training.mixture]]\nname = "{name}"\ndataset_path = "{path}"\n'
-                      f"weight = {weight}\n")  # fmt: skip
+                      f"weight = {weight}\n{val_line}")  # fmt: skip
     debug = (REPO / "train_configs" / "debug_model.toml").read_text()
     (folder / "mix.toml").write_text(debug + "\n" + "\n".join(tables))
     return str(folder / "mix.toml")
@@ -33,9 +41,12 @@ def test_each_sources_tokens_hold_its_weight_within_one_sequence(tmp_path, nproc
     args = [mix if a == "debug_model.toml" else a for a in TINY_TRAIN]
     args += ["--training.steps", "5", "--job.dump_folder", str(tmp_path / "run")]
     args += ["--parallelism.tensor_parallel_degree", str(tp), "--debug.log_sample_ids"]
-    train_many([args], nproc=nproc)
+    # val_loss on web's validation file, the one-source way, beside the mixture's val_loss/<name>
+    val = ["--validation.enable", "--validation.freq", "5"]
+    val += ["--validation.dataset_path", str(tmp_path / "web_val.jsonl")]
+    train_many([args + val], nproc=nproc)
     samples = by_step(tmp_path / "run" / "sample_ids.jsonl", "samples")
-    assert samples == blend_samples(tmp_path)  # the same blend for every layout
+    assert samples == blend_samples(tmp_path, val)  # the same blend for every layout
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for r in rows:
@@ -43,17 +54,37 @@ def test_each_sources_tokens_hold_its_weight_within_one_sequence(tmp_path, nproc
         assert sum(seen.values()) == r["tokens_seen"] == r["step"] * 8 * SEQ
         for name, weight in WEIGHTS.items():
             assert abs(seen[name] - weight * r["tokens_seen"]) < SEQ
+    check_source_losses(rows)
+    last = rows[-1]
+    assert "val_loss/code" not in last  # no validation file
+    assert last["val_loss/web"] == last["val_loss"]  # computed apart, on the same file
+    assert last["val_loss/math"] < last["val_loss/web"]  # its repeated phrase
 
 
-def blend_samples(tmp_path) -> dict:
-    """Steps 1-5's sample ids of the blend, from a loader in this process (dp 1)."""
+def check_source_losses(rows):
+    """Every step's loss/<name>, weighted by the tokens each source gave that step (the change
+    in tokens_seen/<name>), average to its loss; math's repeated phrase is learnt first."""
+    before = dict.fromkeys(WEIGHTS, 0)
+    for r in rows:
+        step_tokens = {n: r[f"tokens_seen/{n}"] - before[n] for n in WEIGHTS}
+        before = {n: r[f"tokens_seen/{n}"] for n in WEIGHTS}
+        mean = sum(r[f"loss/{n}"] * t for n, t in step_tokens.items()) / sum(step_tokens.values())
+        assert mean == pytest.approx(r["loss"], rel=1e-6)
+        losses = sorted(r[f"loss/{n}"] for n in WEIGHTS)
+        assert losses[0] < r["loss"] < losses[-1]  # they differ, around the loss
+    assert rows[-1]["loss/math"] < min(rows[-1]["loss/web"], rows[-1]["loss/code"]) - 0.1
+
+
+def blend_samples(tmp_path, extra=()) -> dict:
+    """Steps 1-5's sample ids of the blend, from a loader in this process (dp 1), with `extra`
+    arguments (validation files hold nothing out of the training files)."""
     from titanlite.config_parse import parse_args
     from titanlite.data.loader import build_train_loader
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.job import resolve_global_batch
 
     args = [tmp_path / "mix.toml" if a == "debug_model.toml" else a for a in TINY_TRAIN]
-    cfg = parse_args([str(a) for a in args])
+    cfg = parse_args([str(a) for a in [*args, *extra]])
     g, n = resolve_global_batch(cfg.training, 1)
     loader = build_train_loader(
         cfg.training, build_tokenizer(cfg.model), dp_rank=0, dp_degree=1, global_batch_size=g,

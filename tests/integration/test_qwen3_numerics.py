@@ -2,8 +2,9 @@
 under FSDP 2 (also with selective AC), TP 2 (QK-norm's replicated weights over sequence-parallel
 heads, loss parallel), PP 2 and CP 2 give one process's per-step losses and grad norms, within
 the tolerances the Llama layouts are held to (test_parallel_numerics.py,
-test_pipeline_numerics.py), each block's gradient norm too; HSDP 2, FSDP 2 x TP 2 on 4 ranks;
-the tied flavor with the chunked loss under FSDP 2; document masking under CP 2 and PP 2."""
+test_pipeline_numerics.py), each block's gradient norm too; so do compiled blocks, HSDP 2, and
+FSDP 2 x TP 2 on 4 ranks; the tied flavor with the chunked loss under FSDP 2, TP 2 and PP 2;
+document masking under CP 2 and PP 2."""
 
 import pytest
 from integration.parity import (
@@ -37,8 +38,20 @@ LAYOUTS = {
         "reference",
         1e-4,
     ),
+    # Compiled blocks (QK-norm inside each graph) and loss; aot_eager spares inductor's C++
+    # build: dynamo's trace and AOTAutograd's graphs are the backend-independent part.
+    "compiled": (
+        1,
+        [*QWEN3, "--compile.enable", "--compile.backend", "aot_eager"],
+        "reference",
+        1e-5,
+    ),
     "hsdp2": (2, [*QWEN3, "--parallelism.data_parallel_replicate_degree", "2"], "reference", 1e-4),
     "tied_fsdp2": (2, [*TIED, *FSDP2], "tied_reference", 1e-4),
+    # The tied weight one vocab-sharded DTensor for the lookup and the output; under PP a copy
+    # on the last stage whose gradient is summed with the first stage's.
+    "tied_tp2": (2, [*TIED, "--parallelism.tensor_parallel_degree", "2"], "tied_reference", 1e-5),
+    "tied_pp2": (2, [*TIED, PP, "2"], "tied_reference", 1e-5),
     # The usual 2-D layout: the QK-norm weights replicated over TP, sharded over FSDP.
     "fsdp2xtp2": (
         4,

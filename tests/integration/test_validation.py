@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from titanlite.config_parse import parse_args
 from titanlite.data.loader import build_validation_loader
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args, pad_vocab
-from titanlite.models.llama.model import Transformer
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 

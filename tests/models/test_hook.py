@@ -11,8 +11,8 @@ from titanlite.config import ConfigError
 from titanlite.config_parse import parse_args
 from titanlite.distributed import init_distributed
 from titanlite.models import FAMILIES, get_family
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
 
 TOY_FLAVORS = {"tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, multiple_of=32)}
 

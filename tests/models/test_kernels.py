@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.models import kernels
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
 
 
 def _rounding(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

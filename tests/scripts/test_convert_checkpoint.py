@@ -18,8 +18,8 @@ from titanlite.checkpoint import CheckpointManager, plan_load
 from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import Checkpoint
 from titanlite.models import get_family
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import ModelArgs, get_model_args
-from titanlite.models.llama.model import Transformer
 
 HF = get_family("llama3").hf
 

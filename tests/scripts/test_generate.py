@@ -15,8 +15,8 @@ import train
 from titanlite.build import model_args_for
 from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
+from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
 
 SCRIPT = REPO / "scripts" / "generate.py"
 _spec = importlib.util.spec_from_file_location("generate", SCRIPT)

@@ -186,3 +186,15 @@ def test_a_mixture_run_gets_a_tokens_per_source_panel(tmp_path):
     assert plot.panel_titles(fig) == [*ALL_PANELS, "tokens per source"]
     labels = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
     assert labels == ["code", "math", "web"]
+
+
+def test_a_mixture_run_gets_a_loss_per_source_panel(tmp_path):
+    """loss/<name> a line per source, val_loss/<name> (where validated) dotted beside it."""
+    losses = {"loss/web": 5.0, "loss/math": 3.0}
+    records = [record(s, **losses, **({"val_loss/math": 2.5} if s == 2 else {})) for s in (1, 2)]
+    fig = plot.build_figure({"mix": plot.load_run(write_run(tmp_path / "mix", records))})
+    assert plot.panel_titles(fig) == [*ALL_PANELS, "loss per source"]
+    labels = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
+    assert labels == ["math", "math (validation)", "web"]
+    lines = fig.axes[-1].get_lines()
+    assert [list(line.get_ydata()) for line in lines] == [[3.0, 3.0], [2.5], [5.0, 5.0]]

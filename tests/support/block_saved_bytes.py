@@ -24,9 +24,9 @@ from titanlite.memory_estimate import (
     block_activation_elems,
     mask_bias_bytes,
 )
+from titanlite.models.decoder.model import Transformer
+from titanlite.models.decoder.parallelize import apply_cp, apply_tp
 from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.parallelize import apply_cp, apply_tp
 
 # GQA (4 query heads over 2 kv heads, which CPU attention repeats), ffn 256, 2 rows of 16; two
 # blocks, so that what each block keeps (its mask's bias among it) is counted per block.

@@ -87,6 +87,8 @@ class TrainLoader:
         self._pin = dataloader.pin_memory and torch.cuda.is_available()
         self._step = 0  # the next global step the trainer will consume
         self._tally = None  # a mixture's own walker for source_tokens()
+        self._rows_walk = None  # ... and one for its rows' sources (`_row_sources`)
+        self._sources = None  # the row sources of the last step consumed
         self._pending = None  # (step, Future) prepared by the background thread
         # Starts its thread on the first submit: none with workers.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="titanlite-data")
@@ -95,25 +97,45 @@ class TrainLoader:
             assert not self.sharded, "build_train_loader refuses workers for a stream"
             self._workers = WorkerSteps(self._items, dataloader, self._pin)
 
-    def _produce(self, step: int) -> tuple[list[Microbatch], dict | None]:
+    def _produce(self, step: int) -> tuple[list[Microbatch], dict | None, list | None]:
         batches = [self._items[step, i] for i in range(self.num_microbatches)]
         # Snapshot here: when the trainer takes this step, this thread is already making the next.
         position = self.order.position() if self.sharded else None
         if self._pin:
             batches = [(tok.pin_memory(), lab.pin_memory()) for tok, lab in batches]
-        return batches, position
+        return batches, position, self._row_sources(step)
+
+    def _row_sources(self, step: int) -> list[torch.Tensor] | None:
+        """A mixture's source index of each row of this rank's microbatches of `step`, from the
+        blend (a function of the position); None without a mixture. Its own walker: the
+        trainer's thread walks `_tally` meanwhile, and a walk sent back restarts from 0."""
+        if not isinstance(self.order, MixtureOrder):
+            return None
+        if self._rows_walk is None:
+            self._rows_walk = self.order.walker()
+        rows = (self._items.rows(step, i) for i in range(self.num_microbatches))
+        return [torch.from_numpy(self._rows_walk.sources(*r)) for r in rows]
 
     def next_step(self) -> list[Microbatch]:
         step = self._step
         if self._workers is not None:
-            batches = self._workers.take(step)
+            batches, self._sources = self._workers.take(step), self._row_sources(step)
         else:
             if self._pending is None or self._pending[0] != step:
                 self._pending = (step, self._executor.submit(self._produce, step))
-            batches, self._position = self._pending[1].result()
+            batches, self._position, self._sources = self._pending[1].result()
             self._pending = (step + 1, self._executor.submit(self._produce, step + 1))
         self._step = step + 1
         return batches
+
+    def step_sources(self) -> list[torch.Tensor] | None:
+        """Per microbatch of the last step `next_step` returned, each row's source index in
+        `source_names()` (int64 [local_batch_size]); None without a mixture."""
+        return self._sources
+
+    def source_names(self) -> list[str]:
+        """A mixture's source names, in the order of `step_sources`' indices ([] without one)."""
+        return [p.name for p in self.order.parts] if isinstance(self.order, MixtureOrder) else []
 
     def describe_step(self, step: int, shown: int = 16) -> str:
         """The data global step `step` (0-based) trained on, as a report can name it: the token
@@ -199,6 +221,7 @@ class TrainLoader:
         if walk := sd.get("mixture_walk"):  # the same blend (checked above): start there
             self.order.start_from(walk)
             self._walker().start_from(walk)
+            self._rows_walk = None  # made anew from the order's restart point
         self._step = int(sd["step"])
 
     def _seek(self, stream: dict | None, step: int) -> None:
@@ -337,7 +360,9 @@ def _mixture_order(t: Training, val: Validation, tokenizer, seed: int, global_ba
         )
         source = _source(mt, val, "train")
         logger.info("training data: %s, weight %.4g: %s", m.name, weight, source.describe())
-        get, lo, hi, _ = _cached_split(source, tokenizer, mt, val, "train")
+        # Its own validation files: nothing of its training files is held out.
+        own_val = replace(val, dataset_path=m.validation_path) if m.validation_path else val
+        get, lo, hi, _ = _cached_split(source, tokenizer, mt, own_val, "train")
         if hi <= lo:
             raise ConfigError(f"mixture source {m.name!r} has no training samples: use more data")
         # Each source its own permutation seed: two sources of one size do not move in step.
@@ -449,3 +474,21 @@ def build_validation_loader(
         local_batch_size=lb,
         num_samples=num_samples,
     )
+
+
+def build_source_validation_loaders(
+    training: Training, validation: Validation, tokenizer, **ranks
+) -> dict[str, ValidationLoader]:
+    """{name: validation loader} of each mixture source with a validation_path (val_loss/<name>),
+    read as validation.dataset_path is, with the source's text column. `ranks`: dp_rank,
+    dp_degree, vocab_size as build_validation_loader's."""
+    return {
+        m.name: build_validation_loader(
+            replace(training, dataset_text_column=m.text_column),
+            replace(validation, dataset_path=m.validation_path),
+            tokenizer,
+            **ranks,
+        )
+        for m in training.mixture
+        if m.validation_path
+    }

@@ -33,6 +33,12 @@ def check_mixture(t: Training, val: Validation) -> None:
     where = "training.mixture"
     if not all(names):
         raise ConfigError(f"every [[{where}]] needs a name (used in the log and the metrics)")
+    # loss/<name> and val_loss/<name> beside TensorBoard's loss/global and loss/validation
+    if bad := [n for n in names if "/" in n or n in ("global", "validation")]:
+        raise ConfigError(
+            f"{where} name {bad[0]!r} would collide in the metrics (loss/<name>): use no '/' and "
+            "neither 'global' nor 'validation'"
+        )
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ConfigError(f"{where} names {twice} more than once: give each source its own name")
@@ -54,10 +60,10 @@ def check_mixture(t: Training, val: Validation) -> None:
             "which packed samples of a token store hold seq_len each of"
         )
     stage_weights(t)  # its own errors
-    if val.enable and not val.dataset_path:
+    if val.enable and not val.dataset_path and not any(m.validation_path for m in t.mixture):
         raise ConfigError(
-            f"validation of a {where} needs validation.dataset_path (the loss of one blend of "
-            "held-out data is not defined per source yet)"
+            f"validation of a {where} needs validation.dataset_path (val_loss) or a source's "
+            "validation_path (val_loss/<name>): held-out data is not drawn from a blend"
         )
 
 

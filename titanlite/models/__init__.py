@@ -28,7 +28,8 @@ class ModelFamily:
     parallelize: Callable[..., nn.Module]
     init_weights: Callable[[nn.Module, int, object], None]  # (model, seed, device): own shards
     # (model, plan, parallel_dims, prepare_stage, device) -> this rank's pipelined stages, each
-    # passed through prepare_stage (parallelize + allocate).
+    # passed through prepare_stage (parallelize + allocate); the trainer runs their
+    # forward_backward per microbatch, then reduce_tied_grads once a step.
     pipeline: Callable[..., nn.Module]
     tensor_parallel: Callable[..., None]  # (model, tp_mesh, shard_logits): TP alone (inference)
     flops_per_token: Callable[[int, object, int], int]  # (params w/o embedding, args, seq_len)

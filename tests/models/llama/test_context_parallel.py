@@ -10,8 +10,8 @@ import torch.multiprocessing as mp
 from conftest import free_port
 
 from titanlite.distributed import destroy
-from titanlite.models.llama.context_parallel import cp_attention, split_sequence
-from titanlite.models.llama.model import (
+from titanlite.models.decoder.context_parallel import cp_attention, split_sequence
+from titanlite.models.decoder.model import (
     causal_attention,
     document_block_mask,
     document_causal_mask,

@@ -7,18 +7,23 @@ import torch.nn.functional as F
 
 from titanlite.config import ConfigError
 from titanlite.models import kernels
-from titanlite.models.llama import model as model_module
-from titanlite.models.llama.args import LLAMA3_FLAVORS, ModelArgs, get_model_args, pad_vocab
-from titanlite.models.llama.model import (
-    ROPE_OLD_CONTEXT_LEN,
-    ROPE_SCALE_FACTOR,
+from titanlite.models.decoder import model as model_module
+from titanlite.models.decoder.model import (
     Transformer,
     apply_rotary_emb,
     precompute_rope_cache,
     rope_frequencies,
     sdpa,
 )
-from titanlite.models.llama.parallelize import apply_compile
+from titanlite.models.decoder.parallelize import apply_compile
+from titanlite.models.llama.args import (
+    LLAMA3_FLAVORS,
+    ROPE_OLD_CONTEXT_LEN,
+    ROPE_SCALE_FACTOR,
+    ModelArgs,
+    get_model_args,
+    pad_vocab,
+)
 
 VOCAB = 512
 
@@ -232,8 +237,9 @@ def test_gqa_shapes_and_matches_repeated_kv_mha():
 
 
 def test_scaled_rope_changes_only_low_frequencies():
-    plain = rope_frequencies(128, 500000.0, scaled=False)
-    scaled = rope_frequencies(128, 500000.0, scaled=True)
+    plain = rope_frequencies(128, 500000.0, None)
+    scaled_args = get_model_args("debugmodel", VOCAB, max_seq_len=32, use_scaled_rope=True)
+    scaled = rope_frequencies(128, 500000.0, scaled_args.rope_scaling)
     wavelen = 2 * math.pi / plain
     high = wavelen < ROPE_OLD_CONTEXT_LEN / 4  # short wavelengths: untouched
     low = wavelen > ROPE_OLD_CONTEXT_LEN  # long wavelengths: divided by the scale factor
@@ -262,7 +268,7 @@ def test_rotary_matches_meta_complex_reference():
     """Same rotation as Meta's view_as_complex(x pairs) * polar(1, angle), so Meta weights load."""
     args = get_model_args("debugmodel", VOCAB, max_seq_len=32, use_scaled_rope=True)
     x = torch.randn(2, 10, 3, args.head_dim)
-    freqs = rope_frequencies(args.head_dim, args.rope_theta, scaled=True)
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
     angles = torch.outer(torch.arange(10).float(), freqs)  # [s, hd/2]
     freqs_cis = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]  # [1, s, 1, hd/2]
     x_c = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # [b, s, h, hd] -> [b, s, h, hd/2]
@@ -356,7 +362,7 @@ BOS, EOS = 500, 501
 
 @pytest.mark.parametrize("bos, eos", [(BOS, EOS), (EOS, EOS)], ids=["llama3", "one_token"])
 def test_document_mask_starts_a_document_at_bos_after_eos(bos, eos):
-    from titanlite.models.llama.model import document_causal_mask, document_ids
+    from titanlite.models.decoder.model import document_causal_mask, document_ids
 
     # The tail of a document, a whole one, the head of a third (an eos at position 0 is the end
     # of a document whose start is cut off).

@@ -1,4 +1,4 @@
-"""parallelize_llama against a single-process reference, in real gloo processes.
+"""parallelize_decoder against a single-process reference, in real gloo processes.
 
 This file is also the torchrun worker: `python -m torch.distributed.run ... test_parallelize.py
 OUT.json` runs every layout in one launch (process start-up dominates on 2 cores) and writes what
@@ -17,13 +17,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
 from titanlite.distributed import clip_grad_norm_, destroy, dist_sum
-from titanlite.models.llama.args import ModelArgs
-from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.parallelize import (
+from titanlite.models.decoder.model import Transformer
+from titanlite.models.decoder.parallelize import (
     _SAC_SAVE,
     init_weights_parallel,
-    parallelize_llama,
+    parallelize_decoder,
 )
+from titanlite.models.llama.args import ModelArgs
 from titanlite.parallel_dims import ParallelDims, loss_parallel_ctx
 from titanlite.precision import DTYPES
 
@@ -118,7 +118,7 @@ def run_layout(degrees, options, ref_state, ref_rope):
     pd.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parallelize_llama(model, pd, **cfgs(**options))
+    parallelize_decoder(model, pd, **cfgs(**options))
     model.to_empty(device="cpu")
     init_weights_parallel(model, SEED, "cpu")
     state = {k: full(v) for k, v in model.state_dict().items()}
@@ -230,7 +230,7 @@ def one_step(model):
 def test_activation_checkpointing_matches_eager(ac_mode, option):
     pd = ParallelDims(1, 1, 1, 1)
     ref_loss, ref_grads = one_step(reference_model())
-    model = parallelize_llama(reference_model(), pd, **cfgs(ac_mode=ac_mode, ac_option=option))
+    model = parallelize_decoder(reference_model(), pd, **cfgs(ac_mode=ac_mode, ac_option=option))
     wrapped = sum("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
     assert wrapped > 0
     loss, grads = one_step(model)
@@ -257,7 +257,7 @@ def test_selective_ac_recomputes_no_float8_amax(monkeypatch):
     (emulated float8: torchao's casts, ordinary matmuls)."""
     from titanlite.config_parse import parse_args
     from titanlite.float8 import maybe_convert_float8
-    from titanlite.models.llama import parallelize
+    from titanlite.models.decoder import parallelize
 
     policy, ran, recomputed = parallelize._sac_policy, set(), set()
 
@@ -286,7 +286,7 @@ def test_selective_ac_recomputes_no_float8_amax(monkeypatch):
     ],
 )
 def test_selective_ac_saves_the_matmuls_its_option_names(option, saved, monkeypatch):
-    from titanlite.models.llama import parallelize
+    from titanlite.models.decoder import parallelize
 
     real, blocks = parallelize.create_selective_checkpoint_contexts, []
 
@@ -320,7 +320,7 @@ def test_compiled_blocks_with_selective_ac_match_eager():
     pd = ParallelDims(1, 1, 1, 1)
     ref_loss, ref_grads = one_step(reference_model())
     options = cfgs(compile_=True, ac_mode="selective", ac_option="op")
-    model = parallelize_llama(reference_model(), pd, **options)
+    model = parallelize_decoder(reference_model(), pd, **options)
     loss, grads = one_step(model)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for k, g in grads.items():

@@ -19,8 +19,8 @@ from conftest import torchrun_script
 from models.llama.test_parallelize import ARGS, SEED, cfgs, train
 
 from titanlite.distributed import destroy
-from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.parallelize import init_weights_parallel, parallelize_llama
+from titanlite.models.decoder.model import Transformer
+from titanlite.models.decoder.parallelize import init_weights_parallel, parallelize_decoder
 from titanlite.parallel_dims import ParallelDims
 
 # name -> (dp_replicate, dp_shard, tp)
@@ -43,7 +43,7 @@ def run(degrees, **options):
         model = Transformer(ARGS)
     kwargs = cfgs(**options)
     kwargs["compile_cfg"].backend = "aot_eager"  # read only with compile_=True
-    parallelize_llama(model, pd, **kwargs)
+    parallelize_decoder(model, pd, **kwargs)
     model.to_empty(device="cpu")
     init_weights_parallel(model, SEED, "cpu")
     names = [name for name, _ in model.named_modules()]

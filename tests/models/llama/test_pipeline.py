@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from titanlite.models.decoder.model import Transformer
+from titanlite.models.decoder.pipeline import PipelinedModel, cut_stage
 from titanlite.models.llama.args import get_model_args
-from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.pipeline import PipelinedModel, cut_stage
 from titanlite.models.pipeline_plan import plan_pipeline, split_layers
 
 
@@ -159,7 +160,7 @@ def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule, csv, 
     stages = [cut_stage(whole, plan.stage_layers[i], i == 0, i == 1) for i in range(2)]
     chunks = []
     chunked = stages[1].chunked_loss
-    stages[1].chunked_loss = lambda *a: chunks.append(a[-1]) or chunked(*a)
+    stages[1].chunked_loss = lambda *a, **kw: chunks.append(a[-1]) or chunked(*a, **kw)
     tokens, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -168,8 +169,16 @@ def test_zero_bubble_schedules_on_one_rank_match_the_whole_model(schedule, csv, 
         loss = model.forward_backward(tokens, labels, loss_scale=0.5, chunk_tokens=5)
         with torch.no_grad():
             validation_loss = model(tokens, labels)  # the schedule forward only
+        # A mixture's rows (row 0 from source 2, row 1 from source 0): per-source sums after the
+        # loss; scale 0 adds nothing to the gradients compared below.
+        rows = F.one_hot(torch.tensor([2, 0]), 3).float()
+        sums = model.forward_backward(tokens, labels, 0.0, chunk_tokens=5, row_sources=rows)
     finally:
         dist.destroy_process_group()
+    with torch.no_grad():
+        row_losses = [whole(tokens[i : i + 1], labels[i : i + 1]) for i in range(2)]
+    torch.testing.assert_close(sums, torch.stack([sum(row_losses), row_losses[1], 0 * loss,
+                                                  row_losses[0]]))  # fmt: skip
     expected = whole(tokens, labels)
     (expected * 0.5).backward()
     torch.testing.assert_close(loss, expected.detach())

@@ -11,7 +11,7 @@ from test_loss import B, D, S, assert_close_fp32, loss_and_grads, plain
 
 from titanlite.distributed import destroy
 from titanlite.loss import IGNORE_INDEX
-from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
+from titanlite.models.decoder.tp_loss import tp_linear_cross_entropy_sum
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 

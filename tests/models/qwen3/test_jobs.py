@@ -1,6 +1,6 @@
 """Qwen3 through the family-neutral jobs: FLOPs and the planner's shape from its explicit
-head_dim, the layouts its tied flavors refuse, the memory estimate beside a measured CPU peak,
-and the fake-backend dry run of 32B at 128 ranks."""
+head_dim, the pipeline schedules its tied flavors refuse, the memory estimate beside a measured
+CPU peak, and the fake-backend dry run of 32B at 128 ranks."""
 
 import json
 import subprocess
@@ -12,6 +12,7 @@ from conftest import REPO
 
 import train
 from titanlite.build import model_args_for
+from titanlite.checks import check_job
 from titanlite.config import ConfigError
 from titanlite.config_parse import parse_args
 from titanlite.data.tokenizer import build_tokenizer
@@ -35,13 +36,17 @@ def test_flops_and_the_planners_shape_use_the_explicit_head_dim():
     assert QWEN3.flops_per_token(params, args, 4096) == model.shape.flops_per_token
 
 
-@pytest.mark.parametrize("degrees", [{"tp": 2}, {"pp": 2}])
-def test_a_tied_flavor_refuses_tp_and_pp(degrees):
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_a_tied_flavor_refuses_v_shaped_pipelines(schedule):
+    """Their first and last stage share a rank (as two FSDP roots); other schedules train it."""
+    argv = ["--job.config_file", "qwen3_debug.toml", "--model.flavor", "debugmodel_tied",
+            "--parallelism.pipeline_parallel_degree", "2"]  # fmt: skip
     args = QWEN3.model_args("debugmodel_tied", vocab_size=512, max_seq_len=32)
-    pd = ParallelDims(dp_replicate=1, dp_shard=1, world_size=2, **{"tp": 1, **degrees})
-    with pytest.raises(ConfigError, match="tied embeddings"):
-        pd.validate_model(args)
-    ParallelDims(dp_replicate=1, dp_shard=2, tp=1, world_size=2).validate_model(args)
+    pd = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=2, pp=2)
+    check_job(parse_args(argv), pd, args, 8, 1)  # 1F1B
+    cfg = parse_args([*argv, "--parallelism.pipeline_parallel_schedule", schedule])
+    with pytest.raises(ConfigError, match="tied output .* V-shaped"):
+        check_job(cfg, pd, args, 8, 1)
 
 
 def test_the_tied_output_stays_the_embedding_through_to_empty():

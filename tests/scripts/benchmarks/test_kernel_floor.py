@@ -11,8 +11,8 @@ sys.path.insert(0, str(REPO / "scripts" / "benchmarks"))
 import kernel_floor  # noqa: E402
 from kernel_floor import gemm_flops, record_kernels, time_kernels  # noqa: E402
 
+from titanlite.models.decoder.model import Transformer  # noqa: E402
 from titanlite.models.llama.args import ModelArgs  # noqa: E402
-from titanlite.models.llama.model import Transformer  # noqa: E402
 
 
 def _step(model, tokens):

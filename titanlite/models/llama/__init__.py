@@ -1,32 +1,18 @@
-"""Llama 3 (Meta's architecture, plain PyTorch), registered as model.name "llama3"."""
-
-from torch import nn
+"""Llama 3 (Meta's architecture, plain PyTorch), registered as model.name "llama3": the shared
+decoder (titanlite/models/decoder/) with Llama 3's args, flavors and HF layout."""
 
 from titanlite.metrics import num_flops_per_token
 from titanlite.models import ModelFamily, register
-from titanlite.models.llama.args import LLAMA3_FLAVORS, get_model_args
-from titanlite.models.llama.hf import LLAMA_HF
-from titanlite.models.llama.model import Transformer
-from titanlite.models.llama.parallelize import (
+from titanlite.models.decoder import pipeline_decoder
+from titanlite.models.decoder.model import Transformer
+from titanlite.models.decoder.parallelize import (
     TP_SPLIT,
     apply_tp,
     init_weights_parallel,
-    parallelize_llama,
+    parallelize_decoder,
 )
-
-
-def pipeline_llama(model, plan, parallel_dims, prepare_stage, device) -> nn.Module:
-    """This rank's stages of the meta model, each prepared (parallelized and allocated)."""
-    # Imported here, not at the top: torch.distributed.pipelining's import loads torch._dynamo
-    # (~0.5 s on a 2-core CPU), which the planner, the estimator and the job checks, importing
-    # this family, do not need. (A training run loads torch._dynamo anyway: torch's optimizers
-    # do at their first step.)
-    from titanlite.models.llama.pipeline import PipelinedModel, cut_stages
-
-    pd = parallel_dims
-    ids, stages = cut_stages(model, plan, pd.pp_mesh, pd.tp_mesh)
-    return PipelinedModel([prepare_stage(s) for s in stages], ids, plan, pd.pp_mesh, device)
-
+from titanlite.models.llama.args import LLAMA3_FLAVORS, get_model_args
+from titanlite.models.llama.hf import LLAMA_HF
 
 LLAMA3 = register(
     ModelFamily(
@@ -34,9 +20,9 @@ LLAMA3 = register(
         flavors=LLAMA3_FLAVORS,
         model_args=get_model_args,
         model_cls=Transformer,
-        parallelize=parallelize_llama,
+        parallelize=parallelize_decoder,
         init_weights=init_weights_parallel,
-        pipeline=pipeline_llama,
+        pipeline=pipeline_decoder,
         tensor_parallel=apply_tp,
         flops_per_token=num_flops_per_token,
         hf=LLAMA_HF,

@@ -1,14 +1,17 @@
-"""Qwen3 (dense), registered as model.name "qwen3".
+"""Qwen3 (dense), registered as model.name "qwen3": the shared decoder
+(titanlite/models/decoder/) with QK-norm, Qwen3's args and flavors (some tie the output to the
+embedding), its HF layout and the estimator's extra saved activations of QK-norm."""
 
-Its block is Llama's with QK-norm: the shared decoder, its TP/SP plan, pipeline split, weight
-init and FLOPs are the llama3 record's, asked for through the registry (no module of another
-family is imported); the args, flavors, HF layout and the estimator's extra saved activations
-are Qwen3's own.
-"""
-
-from dataclasses import replace
-
-from titanlite.models import get_family, register
+from titanlite.metrics import num_flops_per_token
+from titanlite.models import ModelFamily, register
+from titanlite.models.decoder import pipeline_decoder
+from titanlite.models.decoder.model import Transformer
+from titanlite.models.decoder.parallelize import (
+    TP_SPLIT,
+    apply_tp,
+    init_weights_parallel,
+    parallelize_decoder,
+)
 from titanlite.models.qwen3.args import QWEN3_FLAVORS, get_model_args
 from titanlite.models.qwen3.hf import QWEN3_HF
 
@@ -22,12 +25,18 @@ def qk_norm_saved_per_token(args) -> float:
 
 
 QWEN3 = register(
-    replace(
-        get_family("llama3"),
+    ModelFamily(
         name="qwen3",
         flavors=QWEN3_FLAVORS,
         model_args=get_model_args,
+        model_cls=Transformer,
+        parallelize=parallelize_decoder,
+        init_weights=init_weights_parallel,
+        pipeline=pipeline_decoder,
+        tensor_parallel=apply_tp,
+        flops_per_token=num_flops_per_token,
         hf=QWEN3_HF,
+        tp_split=TP_SPLIT,
         extra_saved_per_token=qk_norm_saved_per_token,
     )
 )

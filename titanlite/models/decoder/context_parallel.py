@@ -15,8 +15,8 @@ the model; under pipeline parallelism, on every stage.
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from titanlite.models.decoder.model import causal_attention
 from titanlite.models.kernels import sdpa
-from titanlite.models.llama.model import causal_attention
 from titanlite.torch_compat import all_gather_autograd
 
 

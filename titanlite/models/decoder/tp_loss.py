@@ -20,8 +20,8 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
 
 
 def tp_linear_cross_entropy_sum(
-    h: torch.Tensor, weight: DTensor, labels: torch.Tensor, chunk_tokens: int
-) -> torch.Tensor:
+    h: torch.Tensor, weight: DTensor, labels: torch.Tensor, chunk_tokens: int, row_sources=None
+):
     """linear_cross_entropy_sum with `weight` a Shard(0) DTensor over one TP mesh dim and `h`
     sequence-sharded or replicated; the result is the same plain fp32 scalar on every TP rank."""
     mesh = weight.device_mesh
@@ -47,4 +47,4 @@ def tp_linear_cross_entropy_sum(
         all_max=partial(_all_reduce, op=dist.ReduceOp.MAX, group=group),
         all_sum=partial(_all_reduce, op=dist.ReduceOp.SUM, group=group),
     )
-    return linear_cross_entropy_sum(h, local, labels, chunk_tokens, shard)
+    return linear_cross_entropy_sum(h, local, labels, chunk_tokens, shard, row_sources)

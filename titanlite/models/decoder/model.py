@@ -1,4 +1,6 @@
-"""Llama 3 in plain PyTorch. Knows nothing of ranks, meshes or configs.
+"""The Llama-style decoder in plain PyTorch (RMSNorm, RoPE, GQA, SwiGLU), which the Llama 3 and
+Qwen3 families build: a family's args choose its shapes and two options, QK-norm (`qk_norm`) and
+the output tied to the embedding (`tie_embeddings`). Knows nothing of ranks, meshes or configs.
 
 Attribute names follow Meta's checkpoints so conversion is a key map. Parallelism is applied from
 the outside (parallelize.py); for that the attention derives its local head counts from shapes,
@@ -17,40 +19,35 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from titanlite.loss import cross_entropy_sum, linear_cross_entropy_sum
 from titanlite.models.kernels import rms_norm, sdpa
-from titanlite.models.llama.args import (
-    ROPE_HIGH_FREQ_FACTOR,
-    ROPE_LOW_FREQ_FACTOR,
-    ROPE_OLD_CONTEXT_LEN,
-    ROPE_SCALE_FACTOR,
-    ModelArgs,
-)
 from titanlite.models.tiled_init import ParamInit, fill_
 
 
-def rope_frequencies(head_dim: int, theta: float, scaled: bool) -> torch.Tensor:
-    """Per-pair rotation frequencies [head_dim // 2] (fp32)."""
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2] (fp32); `scaling`: Llama 3.1's frequency
+    scaling as HF's config.json names it (the args' rope_scaling), or None."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if not scaled:
+    if scaling is None:
         return freqs
+    assert scaling["rope_type"] == "llama3", scaling
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     # Long wavelengths (> old context / low factor) are slowed by the scale factor, short ones
     # (< old context / high factor) kept, and the band in between interpolated smoothly.
     wavelen = 2 * math.pi / freqs
-    low_freq_wavelen = ROPE_OLD_CONTEXT_LEN / ROPE_LOW_FREQ_FACTOR
-    high_freq_wavelen = ROPE_OLD_CONTEXT_LEN / ROPE_HIGH_FREQ_FACTOR
-    smooth = (ROPE_OLD_CONTEXT_LEN / wavelen - ROPE_LOW_FREQ_FACTOR) / (
-        ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR
-    )
-    mid = (1 - smooth) * freqs / ROPE_SCALE_FACTOR + smooth * freqs
-    scaled_freqs = torch.where(wavelen > low_freq_wavelen, freqs / ROPE_SCALE_FACTOR, mid)
+    low_freq_wavelen = old_context / low
+    high_freq_wavelen = old_context / high
+    smooth = (old_context / wavelen - low) / (high - low)
+    mid = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled_freqs = torch.where(wavelen > low_freq_wavelen, freqs / factor, mid)
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled_freqs)
 
 
-def precompute_rope_cache(args: ModelArgs) -> torch.Tensor:
+def precompute_rope_cache(args) -> torch.Tensor:
     """cat(cos, sin) of position * frequency: [max_seq_len, head_dim] fp32.
 
     Real-valued rather than complex because complex tensors are awkward under DTensor and compile.
     """
-    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.use_scaled_rope)
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)  # [S, hd/2]
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
@@ -154,7 +151,7 @@ def document_block_mask(doc: torch.Tensor, positions: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args):
         super().__init__()
         self.head_dim = args.head_dim
         # (q, k, v, mask) -> attention output; context parallelism swaps in one over gathered
@@ -188,7 +185,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args):
         super().__init__()
         hidden = args.ffn_hidden_dim
         self.w1 = nn.Linear(args.dim, hidden, bias=False)
@@ -208,7 +205,7 @@ class RMSNorm(nn.RMSNorm):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
@@ -238,12 +235,12 @@ class TiedOutput(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args):
         super().__init__()
         if args.vocab_size < 1:
             raise ValueError(
-                f"ModelArgs.vocab_size must be set (got {args.vocab_size}); "
-                "use get_model_args(flavor, pad_vocab(tokenizer.n_words), ...)"
+                f"the model args' vocab_size must be set (got {args.vocab_size}); use the "
+                "family's model_args(flavor, pad_vocab(tokenizer.n_words), ...)"
             )
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
@@ -326,8 +323,11 @@ class Transformer(nn.Module):
         chunk_tokens: int = 0,
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        row_sources: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab], or with labels the fp32 summed cross-entropy.
+        """tokens [b, s] -> logits [b, s, vocab], or with labels the fp32 summed cross-entropy
+        (with row_sources, the rows' one-hot sources [b, n] of a mixture: that sum and the
+        per-source sums [n], titanlite/loss.py).
         (A part without tok_embeddings takes hidden states [b, s, dim] as `tokens`; one without
         output returns its hidden states.)
 
@@ -352,7 +352,8 @@ class Transformer(nn.Module):
         mask = self.attention_mask(documents, positions)
         # A pipeline stage cut from this model may lack the embedding (it is given the previous
         # stage's hidden states) or the head (it returns its hidden states).
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)  # [b, s, dim]
+        # (The last stage of a tied output keeps the embedding for its weight only.)
+        h = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)  # [b, s, dim]
         for layer in self.layers.values():
             h = layer(h, rope_cache, mask)
         if self.output is None:
@@ -360,6 +361,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if labels is None:
             return self.output(h)
+        by = {} if row_sources is None else {"row_sources": row_sources}
         if chunk_tokens > 0:
-            return self.chunked_loss(h, self.output.weight, labels, chunk_tokens)
-        return self.plain_loss(self.output(h), labels)
+            return self.chunked_loss(h, self.output.weight, labels, chunk_tokens, **by)
+        return self.plain_loss(self.output(h), labels, **by)

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -30,8 +31,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanlite.float8 import tp_styles
 from titanlite.loss import cross_entropy_sum
-from titanlite.models.llama.context_parallel import cp_attention, split_inputs
-from titanlite.models.llama.tp_loss import tp_linear_cross_entropy_sum
+from titanlite.models.decoder.context_parallel import cp_attention, split_inputs
+from titanlite.models.decoder.tp_loss import tp_linear_cross_entropy_sum
 from titanlite.models.tiled_init import fill_
 from titanlite.parallel_dims import ParallelDims
 from titanlite.torch_compat import (
@@ -44,7 +45,7 @@ from titanlite.torch_compat import (
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def parallelize_llama(
+def parallelize_decoder(
     model: nn.Module,
     parallel_dims: ParallelDims,
     *,
@@ -108,18 +109,27 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, shard_logits: bool) -> None:
     (AOTAutograd drops it). rope_cache reaches the blocks as a plain tensor and is only used
     after the PrepareModuleInput all-gather, i.e. on the full sequence, so it needs no layout.
     """
+    # Loss parallel keeps the logits vocab-sharded; else gather them for a plain CE.
+    logits = Shard(-1) if shard_logits else Replicate()
     root_plan = {
+        # An embedding's rowwise split is by vocab: Shard(0), as the output's colwise one.
         "tok_embeddings": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
         ),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(
-            input_layouts=Shard(1),
-            # Loss parallel keeps the logits vocab-sharded; else gather them for a plain CE.
-            output_layouts=Shard(-1) if shard_logits else Replicate(),
-            use_local_output=not shard_logits,
+            input_layouts=Shard(1), output_layouts=logits, use_local_output=not shard_logits
         ),
     }
+    if model.args.tie_embeddings:
+        # The tied output reads the embedding's weight, vocab-sharded above: the same DTensor
+        # serves the matmul on all-gathered hidden states, giving vocab-sharded logits, and
+        # both uses' gradients accumulate into its one gradient.
+        root_plan["output"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            output_layouts=(Shard(-1),), desired_output_layouts=(logits,),
+            use_local_output=not shard_logits,
+        )  # fmt: skip
     # A pipeline stage lacks the embedding or the head: plan only what it has.
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name)}
     parallelize_module(model, tp_mesh, root_plan)
