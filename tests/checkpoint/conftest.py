@@ -151,5 +151,5 @@ def tiny():
     return SimpleNamespace(
         manager=build_manager, train=train_steps, resume=resume, snapshot=snapshot,
         assert_same=assert_same, assert_resumes_as=assert_resumes_as, keep_staged=keep_staged,
-        hf_weights=hf_weights, hang_after_writing=hang_after_writing,
+        hf_weights=hf_weights,
     )  # fmt: skip

@@ -7,7 +7,6 @@ its step 4 (FSDP 2, and one process: resharded) are launched once; the tests rea
 """
 
 import logging
-import multiprocessing
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY_TRAIN, read_jsonl, train_many
+from ranks import start_process
 
 from titanlite.checkpoint import CheckpointError, plan_load, scan_checkpoints
 from titanlite.checkpoint.storage import location
@@ -27,6 +27,7 @@ pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
 BUCKET = "s3://titanlite-test"
+WORKERS = Path(__file__).with_name("workers.py")
 RUN = [*TINY_TRAIN, "--checkpoint.interval", "2", "--training.steps", "6"]
 
 
@@ -147,23 +148,14 @@ def test_a_bucket_that_cannot_be_written_stops_the_run_at_start(s3):
         check_output_folders(cfg)
 
 
-def _save_then_hang(tiny, folder: Path, checkpoint_folder: str) -> None:
-    mgr = tiny.manager(folder, folder=checkpoint_folder)
-    tiny.train(mgr, 1)
-    tiny.hang_after_writing(folder / "writing")
-    tiny.train(mgr, 1)
-
-
 @pytest.mark.slow
 def test_save_killed_midway_leaves_the_previous_step_the_one_resumed(s3, tiny, tmp_path, caplog):
-    """SIGKILL while step 2's objects are being stored (in a fork of this process: it has torch
-    and the S3 client imported already): its objects stay without a marker, and a restart
-    resumes step 1, naming step 2 as partial."""
+    """SIGKILL while step 2's objects are being stored (workers.py slow_save, forked from the
+    warm forkserver): its objects stay without a marker, and a restart resumes step 1, naming
+    step 2 as partial."""
     folder = f"{s3}/killed"
-    proc = multiprocessing.get_context("fork").Process(
-        target=_save_then_hang, args=(tiny, tmp_path, folder)
-    )
-    proc.start()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = start_process(WORKERS, ["slow_save", tmp_path, folder], env, str(tmp_path / "log"))
     try:
         for _ in range(1200):
             if (tmp_path / "writing").exists() or not proc.is_alive():
