@@ -17,7 +17,6 @@ import os
 import sys
 import time
 from functools import partial
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -26,6 +25,7 @@ from titanlite.bad_steps import NonFiniteError, on_nonfinite, skips_loss_spike
 from titanlite.build import build_model, count_params, init_model
 from titanlite.checkpoint import CheckpointError, CheckpointManager, plan_load
 from titanlite.checkpoint.seed import write_seed_checkpoint
+from titanlite.checkpoint.storage import checkpoint_folder
 from titanlite.checks import check_options, check_single_process
 from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import (
@@ -177,7 +177,7 @@ class Trainer:
         # No weights are drawn that the checkpoint would overwrite (hours at 405B).
         self._build_model(job, draw_weights=load_plan is None)
         self._build_services(*val_loaders)
-        folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+        folder = checkpoint_folder(cfg.job.dump_folder, cfg.checkpoint.folder)
         self._build_metrics(resuming=load_plan is not None and load_plan.path.parent == folder)
         self._resume(load_plan)
 

@@ -23,6 +23,7 @@ model.name on export), which the trainer's checkpoints use too.
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite import precision
-from titanlite.checkpoint.reader import DirectReader
+from titanlite.checkpoint.storage import is_remote, location, store
 from titanlite.checkpoint.stream import (
     LazyTensor,
     save_lazily,
@@ -58,28 +59,17 @@ except ModuleNotFoundError:  # Python 3.10
 DTYPES = {**precision.DTYPES, "float16": torch.float16}
 
 
-class _MetadataOnceReader(DirectReader):
-    """Reads `.metadata` once: each partial `dcp.load` below would otherwise parse it again, and
-    a sharded training checkpoint's metadata lists every chunk of every tensor."""
-
-    def __init__(self, path: Path):
-        super().__init__(str(path))
-        self._metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
-
-
 class DcpCheckpoint:
     """A DCP checkpoint read a few keys at a time (full tensors, any saved sharding)."""
 
     def __init__(self, step_dir: Path):
         if not (step_dir / ".metadata").is_file():
             raise ValueError(f"{step_dir} is not a DCP checkpoint (no .metadata)")
-        self.reader = _MetadataOnceReader(step_dir)
+        self.reader = store(step_dir).reader(step_dir)  # a folder, or s3:// / gs:// through fsspec
         self.metadata = self.reader.read_metadata()
+        # Read once: each partial `dcp.load` below would otherwise parse it again, and a sharded
+        # training checkpoint's metadata lists every chunk of every tensor.
+        self.reader.read_metadata = lambda *args, **kwargs: self.metadata
         self.tensors = {
             k: md for k, md in self.metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)
@@ -113,7 +103,10 @@ class DcpModel(DcpCheckpoint):
 
 
 def run_config(step_dir: Path) -> tuple[Path, dict]:
-    """The config.toml that train.py wrote for the run owning {dump}/{folder}/step-N, if any."""
+    """The config.toml that train.py wrote for the run owning {dump}/{folder}/step-N, if any (none
+    for a checkpoint in object storage: the run's config.toml is in its dump folder)."""
+    if is_remote(step_dir):
+        return step_dir.parent / "config.toml", {}
     path = step_dir.resolve().parents[1] / "config.toml"
     return path, tomllib.loads(path.read_text()) if path.is_file() else {}
 
@@ -125,26 +118,27 @@ def model_args_for(shapes: dict, flavor: str, step_dir: Path):
     model_cfg = cfg.get("model", {})
     flavor = flavor or model_cfg.get("flavor")
     family = get_family(model_cfg.get("name", "llama3"))
-    flavors = family.flavors
-    if flavor not in flavors:
+    # A flavor of the family, or one named from it ("debugmodel_4L": 4 of its blocks).
+    base = family.flavors.get(re.sub(r"_[1-9][0-9]*L$", "", flavor or ""))
+    if base is None:
         raise ValueError(
-            f"need --flavor (one of {list(flavors)}); got {flavor!r} and {cfg_path} "
+            f"need --flavor (one of {list(family.flavors)}); got {flavor!r} and {cfg_path} "
             f"{'has no model.flavor' if cfg else 'does not exist'}"
         )
-    base = flavors[flavor]
     vocab, dim = shapes["tok_embeddings.weight"]
-    n_layers = len({k.split(".")[1] for k in shapes if k.startswith("layers.")})
-    if (dim, n_layers) != (base.dim, base.n_layers):
-        raise ValueError(
-            f"{step_dir}: weights have dim {dim}, {n_layers} layers; flavor {flavor} has "
-            f"dim {base.dim}, {base.n_layers} layers"
-        )
-    return family.model_args(
+    args = family.model_args(
         flavor,
         vocab_size=vocab,
         max_seq_len=int(cfg.get("training", {}).get("seq_len", base.max_seq_len)),
         use_scaled_rope=bool(model_cfg.get("use_scaled_rope", False)),
     )
+    n_layers = len({k.split(".")[1] for k in shapes if k.startswith("layers.")})
+    if (dim, n_layers) != (args.dim, args.n_layers):
+        raise ValueError(
+            f"{step_dir}: weights have dim {dim}, {n_layers} layers; flavor {flavor} has "
+            f"dim {args.dim}, {args.n_layers} layers"
+        )
+    return args
 
 
 def run_tokenizer(step_dir: Path, vocab_size: int):
@@ -254,19 +248,20 @@ def run_default_dtype(step_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("mode", choices=("dcp-to-hf", "hf-to-dcp", "dcp-to-torch"))
-    p.add_argument("src", type=Path)
+    p.add_argument("src", help="a folder, or (dcp-to-*) an s3:// or gs:// step folder")
     p.add_argument("dst", type=Path)
     p.add_argument("--flavor", default="", help="model flavor (dcp-to-hf; default: run config)")
     p.add_argument("--dtype", default="", choices=("", *DTYPES), help="exported weight dtype")
     p.add_argument("--all", action="store_true", help="dcp-to-torch: every key, not just weights")
     a = p.parse_args(argv)
     try:
+        src = location(a.src)
         if a.mode == "hf-to-dcp":
-            hf_to_dcp(a.src, a.dst, a.dtype or "float32")
+            hf_to_dcp(src, a.dst, a.dtype or "float32")
         elif a.mode == "dcp-to-hf":
-            dcp_to_hf(a.src, a.dst, a.flavor, a.dtype or run_default_dtype(a.src))
+            dcp_to_hf(src, a.dst, a.flavor, a.dtype or run_default_dtype(src))
         else:
-            dcp_to_torch(a.src, a.dst, a.dtype or run_default_dtype(a.src), a.all)
+            dcp_to_torch(src, a.dst, a.dtype or run_default_dtype(src), a.all)
     except ValueError as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2

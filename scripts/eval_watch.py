@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titanlite.build import model_args_for  # noqa: E402
 from titanlite.checkpoint import CheckpointError, CheckpointManager, LoadPlan  # noqa: E402
 from titanlite.checkpoint.layout import read_marker, scan_checkpoints  # noqa: E402
+from titanlite.checkpoint.storage import checkpoint_folder  # noqa: E402
 from titanlite.config import Checkpoint, ConfigError, Eval  # noqa: E402
 from titanlite.config_parse import parse_args  # noqa: E402
 from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
@@ -57,7 +58,7 @@ class Watcher:
         if not config.is_file():
             raise ConfigError(f"{config} does not exist: pass the run's job.dump_folder")
         cfg = parse_args(["--job.config_file", str(config.resolve())])
-        self.folder = opts.run / cfg.checkpoint.folder
+        self.folder = checkpoint_folder(opts.run, cfg.checkpoint.folder)  # or an s3:// URL's
         self.out = opts.run / OUT
         tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
         eval_cfg = Eval(tasks=tasks, limit=opts.limit, include_path=opts.include_path,

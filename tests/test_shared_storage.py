@@ -2,9 +2,9 @@
 a folder each rank has its own copy of (two roots under one name) stops every rank, naming the
 host, and a token cache of each node's own is a warning."""
 
+import importlib.util
 import logging
 import os
-import re
 import socket
 
 import pytest
@@ -12,7 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import config_error, free_port
 
+from titanlite.checks import check_options, output_folders
 from titanlite.config import ConfigError
+from titanlite.config_parse import parse_args
 from titanlite.shared_storage import check_shared_folders
 
 
@@ -70,14 +72,31 @@ def test_one_process_checks_nothing(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv",
+    "argv, message",
     [
-        ["--checkpoint.folder", "s3://runs/a/checkpoint"],
-        ["--job.dump_folder", "gs://bucket/run"],
-        ["--checkpoint.initial_load_path", "s3://runs/a/checkpoint/step-10"],
+        (["--job.dump_folder", "gs://bucket/run"], "job.dump_folder 'gs://bucket/run' is a URL: "),
+        (["--training.data_cache_dir", "s3://b/c"], "training.data_cache_dir 's3://b/c' is"),
+        (["--checkpoint.folder", "azure://c/run"], "checkpoint.folder 'azure://c/run': azure:// "),
+        (["--checkpoint.folder", "s3://b/run", "--checkpoint.last_save_in_hf",
+          "--checkpoint.last_save_model_only", "--checkpoint.enable"], "dcp-to-hf"),
+        (["--checkpoint.folder", "s3://b/run", "--checkpoint.create_seed_checkpoint"], "locally"),
+        (["--checkpoint.initial_load_path", "s3://b/hf", "--checkpoint.initial_load_in_hf"],
+         "download it first"),
     ],
-)
-def test_an_object_store_url_is_refused_not_taken_as_a_folder(argv):
-    """Taken as a path, `s3://runs/a` would be a local folder `s3:/runs/a`: a run that saves
-    where no node after it can read."""
-    assert re.match(f"{argv[0][2:]} '{argv[1]}' is a URL: .*filesystem", config_error(argv))
+)  # fmt: skip
+def test_an_url_where_object_storage_is_not_read_is_refused(argv, message):
+    """Taken as a path, `gs://bucket/run` would be a local folder `gs:/bucket/run`: a run that
+    writes where no node after it can read. Checkpoints may be in object storage; the dump folder,
+    the token cache and the options that write local folders may not."""
+    assert message in config_error(argv)
+
+
+def test_checkpoints_in_object_storage_pass_and_are_no_local_folder(monkeypatch):
+    cfg = parse_args(["--checkpoint.enable", "--checkpoint.folder", "s3://b/run/checkpoint"])
+    check_options(cfg)  # s3fs is a dev dependency
+    assert "checkpoint.folder" not in output_folders(cfg)  # nothing made, nothing to share
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "s3fs" else real(n))
+    assert "need s3fs: pip install 'titanlite[s3]'" in config_error(
+        ["--checkpoint.initial_load_path", "s3://b/run/checkpoint/step-10"]
+    )

@@ -5,13 +5,18 @@ config and the objects resolve_job made, and builds nothing."""
 
 import importlib.util
 import os
-import re
 import tempfile
 from pathlib import Path
 
 import torch
 from torch.torch_version import TorchVersion
 
+from titanlite.checkpoint.storage import (
+    EXTRAS,
+    missing_client,
+    object_store_unwritable,
+    url_scheme,
+)
 from titanlite.config import (
     Checkpoint,
     Comm,
@@ -61,21 +66,56 @@ def check_options(cfg: JobConfig) -> None:
 
 
 def _check_no_urls(cfg: JobConfig) -> None:
-    """An object-store URL given as a folder would be taken as a relative path (`s3:/...` under
-    the working directory): the run would train and "save" where no other node can read."""
-    paths = {
-        "job.dump_folder": cfg.job.dump_folder,
-        "checkpoint.folder": cfg.checkpoint.folder,
-        "checkpoint.initial_load_path": cfg.checkpoint.initial_load_path,
-        "training.data_cache_dir": cfg.training.data_cache_dir,
-    }
-    for option, value in paths.items():
-        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value or ""):
+    """Checkpoints may live in object storage (s3://, gs://, through fsspec); the dump folder and
+    the token cache are written by plain file calls, where a URL would be taken as a relative
+    path (`s3:/...` under the working directory) that no other node reads."""
+    ckpt = cfg.checkpoint
+    for option, value in {
+        "checkpoint.folder": ckpt.folder,
+        "checkpoint.initial_load_path": ckpt.initial_load_path,
+    }.items():
+        scheme = url_scheme(value)
+        if scheme is None:
+            continue
+        if scheme not in EXTRAS:
             raise ConfigError(
-                f"{option} {value!r} is a URL: titanlite reads and writes folders on a "
-                "filesystem only (object storage is not supported yet); give a path on storage "
-                "every node mounts, e.g. the bucket mounted with mountpoint-s3 or gcsfuse"
+                f"{option} {value!r}: {scheme}:// is not supported; checkpoints go to a path or "
+                "to object storage at s3://bucket/... or gs://bucket/..."
             )
+        problem = missing_client(scheme)
+        if problem:
+            raise ConfigError(f"{option} {value!r}: {problem}")
+    _check_object_store_options(ckpt)
+    for option, value in {
+        "job.dump_folder": cfg.job.dump_folder,
+        "training.data_cache_dir": cfg.training.data_cache_dir,
+    }.items():
+        if url_scheme(value):
+            raise ConfigError(
+                f"{option} {value!r} is a URL: it must be a path on storage every node mounts "
+                "(logs, metrics and the token cache are plain files); to keep checkpoints in "
+                "object storage, set checkpoint.folder to an s3:// or gs:// URL instead"
+            )
+
+
+def _check_object_store_options(ckpt: Checkpoint) -> None:
+    """What object-store checkpoints do not do (yet), each with the way round it."""
+    if url_scheme(ckpt.folder) and ckpt.last_save_in_hf:
+        raise ConfigError(
+            f"checkpoint.last_save_in_hf writes a local folder, not to {ckpt.folder}: drop it and "
+            "export the last step with `python scripts/convert_checkpoint.py dcp-to-hf "
+            f"{ckpt.folder}/step-N OUT_DIR`"
+        )
+    if url_scheme(ckpt.folder) and ckpt.create_seed_checkpoint:
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint writes to a local checkpoint.folder only: write "
+            "the seed locally and start runs from it with checkpoint.initial_load_path"
+        )
+    if url_scheme(ckpt.initial_load_path) and ckpt.initial_load_in_hf:
+        raise ConfigError(
+            f"checkpoint.initial_load_in_hf reads a local Hugging Face folder, not "
+            f"{ckpt.initial_load_path}: download it first and give its local path"
+        )
 
 
 def _check_checkpoint(ckpt: Checkpoint) -> None:
@@ -398,13 +438,20 @@ def check_output_folders(cfg: JobConfig) -> None:
     rank 0 while the other ranks wait out training.data_build_timeout_s."""
     for what, folder in output_folders(cfg).items():
         check_writable(what, folder)
+    if url_scheme(cfg.checkpoint.folder) and cfg.checkpoint.enable:
+        # A wrong bucket or missing credentials fail here, not at the first save hours later.
+        problem = object_store_unwritable(cfg.checkpoint.folder)
+        if problem:
+            raise ConfigError(f"checkpoint.folder {cfg.checkpoint.folder}: {problem}")
 
 
 def output_folders(cfg: JobConfig) -> dict[str, Path]:
     """The folders the job writes, by the option that names them."""
     t = cfg.training
     folders = {"job.dump_folder": Path(cfg.job.dump_folder)}
-    if cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
+    # Object storage is every node's, and made as it is written.
+    on_disk = not url_scheme(cfg.checkpoint.folder)
+    if on_disk and (cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint):
         folders["checkpoint.folder"] = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
     # A dataset_path wins over a hub dataset name (titanlite.data.sources.build_source).
     streamed = t.dataset_streaming or (t.dataset in HUB_DATASETS and not t.dataset_path)

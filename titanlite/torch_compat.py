@@ -184,6 +184,16 @@ def state_dict_stager(pin_memory: bool):
     return StateDictStager(pin_memory=pin_memory, share_memory=False)
 
 
+def fsspec_checkpoint_io() -> tuple[type, type]:
+    """torch.distributed.checkpoint._fsspec_filesystem's FsspecWriter and FsspecReader: DCP's
+    FileSystemWriter and FileSystemReader over any fsspec file system (s3://, gs://), used for
+    checkpoints in object storage. Public classes in a private module: torch.distributed.checkpoint
+    does not re-export them on 2.13 (only its storage-choosing helper imports them)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return FsspecWriter, FsspecReader
+
+
 def consolidate_hf_safetensors(sharded: str, out: str, file_of: dict[str, int]) -> None:
     """torch.distributed.checkpoint._consolidate_hf_safetensors
     .consolidate_safetensors_files_on_every_rank: sharded safetensors into full ones, the work

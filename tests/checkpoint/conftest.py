@@ -5,6 +5,7 @@ script (this folder first on its sys.path), imports them directly.
 """
 
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from titanlite.checkpoint import CheckpointManager, plan_load
 from titanlite.checkpoint.staging import ReusingStager
@@ -33,7 +35,7 @@ class Box:
         self.__dict__.update(sd)
 
 
-def build_manager(folder, shapes=(8, 16), **cfg) -> CheckpointManager:
+def build_manager(folder, /, shapes=(8, 16), **cfg) -> CheckpointManager:
     """A tiny model, AdamW and a warmup schedule, wrapped in a manager saving every step (unless
     `cfg` says otherwise) under `folder`. The model's weights are drawn from the global RNG."""
     model = nn.Sequential(nn.Linear(shapes[0], shapes[1]), nn.ReLU(), nn.Linear(shapes[1], 4))
@@ -117,6 +119,22 @@ def keep_staged(staged: list):
         return staged[-1]
 
     return spy
+
+
+def hang_after_writing(flag: Path) -> None:
+    """From now on, a save's data writes (local or fsspec: DCP's FileSystemWriter.write_data)
+    finish, touch `flag` and hang before the .metadata is written: a process killed then has
+    left a save midway."""
+    orig = FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        fut = orig(self, plan, planner)
+        fut.wait()
+        flag.touch()
+        time.sleep(600)
+        return fut
+
+    FileSystemWriter.write_data = slow_write
 
 
 def hf_weights(folder: Path) -> dict[str, torch.Tensor]:

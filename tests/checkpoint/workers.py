@@ -7,15 +7,20 @@ Run as a script, this folder comes first on sys.path, so `conftest` is the one b
 
 import os
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from conftest import build_manager, hf_weights, keep_staged, resume, train_steps
+from conftest import (
+    build_manager,
+    hang_after_writing,
+    hf_weights,
+    keep_staged,
+    resume,
+    train_steps,
+)
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,21 +40,13 @@ from titanlite.models.llama.args import ModelArgs
 HF = get_family("llama3").hf
 
 
-def slow_save(folder: str) -> None:
-    """Save step 1, then hang in the save of step 2 once its data files are on disk and its
-    .metadata is not, after touching `writing`: the test then kills this process."""
-    mgr = build_manager(folder)
+def slow_save(folder: str, checkpoint_folder: str = "checkpoint") -> None:
+    """Save step 1, then hang in the save of step 2 once its data files are on disk (or in
+    object storage at `checkpoint_folder`) and its .metadata is not, after touching `writing`:
+    the test then kills this process."""
+    mgr = build_manager(folder, folder=checkpoint_folder)
     train_steps(mgr, 1)
-    orig = FileSystemWriter.write_data
-
-    def slow_write(self, plan, planner):
-        fut = orig(self, plan, planner)
-        fut.wait()
-        Path(folder, "writing").touch()
-        time.sleep(600)
-        return fut
-
-    FileSystemWriter.write_data = slow_write
+    hang_after_writing(Path(folder, "writing"))
     train_steps(mgr, 1)
 
 

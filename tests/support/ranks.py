@@ -53,6 +53,17 @@ def run_ranks(script, args, nproc: int, env: dict, timeout: float, free_port):
     return subprocess.CompletedProcess([script, *args], returncode, stdout, stderr)
 
 
+def start_process(script, args, env: dict, log_prefix: str) -> multiprocessing.Process:
+    """`python script args` as one process forked from the warm forkserver, started and not
+    waited for (a test that kills it midway); its output goes to `log_prefix`.out / .err."""
+    ctx = multiprocessing.get_context("forkserver")
+    _start_forkserver(ctx)
+    target_args = (str(script), [str(a) for a in args], env, log_prefix)
+    proc = ctx.Process(target=_rank_main, args=target_args)
+    proc.start()
+    return proc
+
+
 class RanksTimedOut(subprocess.TimeoutExpired):
     """A launch that ran out of time, with where each rank was: its Python stacks, dumped when
     it was stopped, and the end of its stderr (a hang otherwise leaves nothing to read)."""

@@ -3,7 +3,7 @@ manager.py (CheckpointManager: save, async save, load), reader.py (reading
 tensors straight into the model's and optimizer's memory), integrity.py (the files' checksums,
 recorded at save and verified before a load), hf.py (Hugging Face folders in and out of a
 sharded model), stream.py (writing one tensor at a time), seed.py (step 0's weights
-as a checkpoint)."""
+as a checkpoint), storage.py (a folder on disk or in object storage: s3://, gs://)."""
 
 from titanlite.checkpoint.layout import MARKER, publish, scan_checkpoints
 from titanlite.checkpoint.manager import CheckpointManager

@@ -1,25 +1,25 @@
-"""Checkpoints on disk: step folders, their completion markers, publishing and pruning.
+"""Checkpoint folders: step folders, their completion markers, publishing and pruning.
 
-`{dump_folder}/{folder}/step-N/` holds one checkpoint (DCP files, or a Hugging Face folder for a
-last save in HF) and a `COMPLETE` marker. A save writes into `step-N.tmp/`; `publish` writes the
-marker and renames the folder once every rank has finished, so a crash mid-save leaves only a
-`step-N.tmp/` (reported and ignored on load) and never touches an older checkpoint. Rank 0
-alone touches the folders; `rank()` and `world_size()` also answer without a process group.
+`{dump_folder}/{folder}/step-N/` (or `s3://.../step-N/`) holds one checkpoint (DCP files, or a
+Hugging Face folder for a last save in HF) and a `COMPLETE` marker. `publish` completes a step
+once every rank has finished writing it: on disk it renames `step-N.tmp/`, in object storage it
+writes the marker last (storage.py). A crash mid-save leaves a partial step (reported and ignored
+on load) and never touches an older checkpoint. Rank 0 alone touches the folders; `rank()` and
+`world_size()` also answer without a process group. Folders are `Path`s or `UPath`s.
 """
 
 import json
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 
+from titanlite.checkpoint.storage import MARKER, store
 from titanlite.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)(\.tmp)?$")
 
 
@@ -73,18 +73,9 @@ def check_complete(path: Path, what: str) -> None:
 
 
 def publish(folder: Path, step: int, info: dict | None = None) -> Path:
-    """Mark the fully written `step-N.tmp` complete (the marker holds the step and `info`) and
-    make it `step-N`. A complete `step-N` already there is moved aside first and deleted only
-    after the new one took its place."""
-    tmp, final = folder / f"step-{step}.tmp", folder / f"step-{step}"
-    (tmp / MARKER).write_text(json.dumps({"step": step, **(info or {})}) + "\n")
-    old = folder / f"step-{step}.old"
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+    """Mark step `step`, fully written, complete: its marker holds the step and `info`."""
+    marker = json.dumps({"step": step, **(info or {})}) + "\n"
+    return store(folder).publish(folder, step, marker)
 
 
 def prune(folder: Path, keep_latest_k: int, keep: int) -> None:
@@ -99,5 +90,5 @@ def prune(folder: Path, keep_latest_k: int, keep: int) -> None:
     complete = {s: p for s, p in complete.items() if not read_marker(p).get("model_only")}
     for step in sorted(complete)[:-k]:
         if step != keep:
-            shutil.rmtree(complete[step], ignore_errors=True)
+            store(folder).remove(complete[step])
             logger.info("Deleted old checkpoint %s (keep_latest_k=%d)", complete[step], k)

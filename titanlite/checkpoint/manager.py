@@ -14,7 +14,6 @@ only.
 import logging
 import pickle
 import random
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -50,9 +49,9 @@ from titanlite.checkpoint.plan import (
     read_hf_metadata,
     read_metadata,
 )
-from titanlite.checkpoint.reader import DirectReader
 from titanlite.checkpoint.space import needed_bytes, save_failed, warn_if_short
 from titanlite.checkpoint.staging import ReusingStager
+from titanlite.checkpoint.storage import checkpoint_folder, store
 from titanlite.checkpoint.stream import single_process_quietly
 from titanlite.config import EXCLUDABLE, ConfigError
 from titanlite.data.stream import dp_degree_changed
@@ -136,7 +135,7 @@ class CheckpointManager:
         refused (None: not checked). `complete_export(folder)`, on rank 0 after an HF export's
         weights and config.json: the tokenizer files and special ids (hf_export)."""
         self.cfg = ckpt_cfg
-        self.folder = Path(dump_folder) / ckpt_cfg.folder
+        self.folder = checkpoint_folder(dump_folder, ckpt_cfg.folder)  # a Path or a URL's UPath
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.train_state = dataloader, train_state
         self.dp_degree, self.last_step, self.n_layers = dp_degree, last_step, n_layers
@@ -177,10 +176,10 @@ class CheckpointManager:
         self._save_started = time.monotonic()
         export = step == self.last_step and self.cfg.last_save_model_only
         model_only = self.optimizer is None or not self.optimizer.state
-        tmp = self.folder / f"step-{step}.tmp"
+        where = store(self.folder)
+        tmp = where.save_path(self.folder, step)
         if rank() == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this step
+            where.begin_save(self.folder, step)  # leftovers of a crashed save of this step go
         _barrier()  # nobody writes into tmp before rank 0 has cleared it
         if export:
             self._export(step, tmp)
@@ -427,7 +426,7 @@ class CheckpointManager:
     def _read(path: Path, state: dict) -> dict:
         try:
             with single_process_quietly():
-                dcp.load(state, storage_reader=DirectReader(str(path)))
+                dcp.load(state, storage_reader=store(path).reader(path))
         except (Exception, CheckpointException) as e:
             raise CheckpointError(f"failed to load checkpoint {path}: {_dcp_reason(e)}") from e
         return state

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from titanlite.checkpoint.integrity import recorded, verify
@@ -21,6 +20,7 @@ from titanlite.checkpoint.layout import (
     read_marker,
     scan_checkpoints,
 )
+from titanlite.checkpoint.storage import checkpoint_folder, location, store
 from titanlite.config import ConfigError
 from titanlite.hf import read_hf_config
 
@@ -46,7 +46,7 @@ def plan_load(ckpt_cfg, dump_folder) -> LoadPlan | None:
     """Decide what to load and check it can be loaded; rank 0 reads the folders and metadata,
     every rank gets its answer. With checkpoint.verify_on_load, every rank checks a share of a
     DCP checkpoint's files first (a damaged .metadata is named as such, not as unreadable)."""
-    folder = Path(dump_folder) / ckpt_cfg.folder
+    folder = checkpoint_folder(dump_folder, ckpt_cfg.folder)
     plan = rank0_decides(lambda: _choose(ckpt_cfg, folder))
     if plan is None:
         return None
@@ -92,7 +92,7 @@ def _choose(ckpt_cfg, folder: Path) -> LoadPlan | None:
         if complete:
             return LoadPlan(complete[step if step >= 0 else max(complete)], weights_only=False)
     if ckpt_cfg.initial_load_path:
-        path, hf = Path(ckpt_cfg.initial_load_path), ckpt_cfg.initial_load_in_hf
+        path, hf = location(ckpt_cfg.initial_load_path), ckpt_cfg.initial_load_in_hf
         what = "checkpoint.initial_load_path"
         if not hf and path.is_dir() and _is_hf(path):
             raise ConfigError(
@@ -210,7 +210,7 @@ def _check_hf_dir(path: Path, what: str) -> None:
 def read_metadata(path: Path) -> dict:
     """DCP's index of what the checkpoint holds: {key: tensor/bytes metadata}."""
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return store(path).reader(path).read_metadata().state_dict_metadata
     except Exception as e:
         raise CheckpointError(
             f"cannot read checkpoint metadata {path / '.metadata'} ({e}): the checkpoint is "
