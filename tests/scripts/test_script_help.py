@@ -3,12 +3,11 @@
 
 import ast
 import importlib.util
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
+import os
 
 import pytest
-from conftest import REPO
+from conftest import REPO, free_port
+from ranks import run_ranks
 
 
 def load(name: str):
@@ -40,17 +39,17 @@ def scripts_with_main() -> list:
 
 
 def run_help(script):
-    return subprocess.run(
-        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300
-    )
+    """`python script --help`, in a fork of a process that has imported torch and titanlite
+    already (tests/support/ranks.py): a fresh interpreter per script spent ~4 s of CPU each on
+    the imports alone."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return run_ranks(script, ["--help"], 1, env, timeout=300, free_port=free_port)
 
 
-@pytest.mark.slow  # a process per script, each importing torch: four at a time
+@pytest.mark.slow  # a process per script, forked warm
 def test_every_script_answers_help_with_its_own_usage():
     """--help exits 0 having printed the script's own usage, and runs nothing else."""
-    scripts = scripts_with_main()
-    with ThreadPoolExecutor(4) as pool:
-        done = dict(zip(scripts, pool.map(run_help, scripts)))
+    done = {script: run_help(script) for script in scripts_with_main()}
     for script, run in done.items():
         assert run.returncode == 0, f"{script.name}: {run.stderr[-2000:]}"
         assert "usage: python train.py" not in run.stdout, script.name
