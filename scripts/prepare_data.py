@@ -43,7 +43,6 @@ from titanlite.data.sources import (  # noqa: E402
 )
 from titanlite.data.store import MANIFEST, TokenStore  # noqa: E402
 from titanlite.data.store_build import build_store  # noqa: E402
-from titanlite.data.tokenizer import build_tokenizer  # noqa: E402
 from titanlite.progress import Progress  # noqa: E402
 
 
@@ -137,6 +136,7 @@ def _main(argv: list[str]) -> int:
     # checks import torch (~2.5 s of CPU and ~250 MB per worker) that tokenizing never uses.
     from titanlite.checks import check_options, check_writable
     from titanlite.config_parse import exit_on_help, parse_args
+    from titanlite.job import resolve_model
 
     exit_on_help(argv, __doc__)
 
@@ -153,7 +153,7 @@ def _main(argv: list[str]) -> int:
     t = cfg.training
     if is_prepared(t.dataset_path):
         raise SystemExit(f"{t.dataset_path} is already prepared: train with it as dataset_path")
-    tokenizer = build_tokenizer(cfg.model)
+    tokenizer = resolve_model(cfg).tokenizer  # the model's, as train.py resolves it
     source = build_source(
         t.dataset, t.dataset_path, t.dataset_text_column, max_bad_rows=t.dataset_max_bad_rows
     )

@@ -509,6 +509,7 @@ def test_muon_keeps_one_momentum_buffer_per_matrix_element():
 
 
 def test_the_config_and_the_planner_count_the_chosen_optimizer():
+    from titanlite.job import World, resolve_job
     from titanlite.plan.search import memory_gib
     from titanlite.plan.shape import layout_of, model_of
 
@@ -520,7 +521,7 @@ def test_the_config_and_the_planner_count_the_chosen_optimizer():
         in estimate(setup_from_config(cfg, 1, args)).rows
     )
     adamw = replace(model, optimizer="AdamW")
-    lo = layout_of(cfg, 1)
+    lo = layout_of(resolve_job(cfg, World(1), 2048))
     assert memory_gib(model, lo) < memory_gib(adamw, lo)
 
 
