@@ -2,19 +2,10 @@
 --help (its docstring), not train.py's."""
 
 import ast
-import importlib.util
-import os
 
 import pytest
-from conftest import REPO, free_port
-from ranks import run_ranks
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import REPO
+from script_runner import load_script, run_script
 
 
 @pytest.mark.parametrize(
@@ -24,7 +15,7 @@ def load(name: str):
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_is_the_scripts_own(script, own_options, flag, capsys):
     with pytest.raises(SystemExit) as e:
-        load(script).main([flag])
+        load_script(script).main([flag])
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert all(option in out for option in own_options), out
@@ -38,18 +29,10 @@ def scripts_with_main() -> list:
     )
 
 
-def run_help(script):
-    """`python script --help`, in a fork of a process that has imported torch and titanlite
-    already (tests/support/ranks.py): a fresh interpreter per script spent ~4 s of CPU each on
-    the imports alone."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return run_ranks(script, ["--help"], 1, env, timeout=300, free_port=free_port)
-
-
-@pytest.mark.slow  # a process per script, forked warm
+@pytest.mark.slow  # a process per script (forked warm: script_runner.run_script)
 def test_every_script_answers_help_with_its_own_usage():
     """--help exits 0 having printed the script's own usage, and runs nothing else."""
-    done = {script: run_help(script) for script in scripts_with_main()}
+    done = {script: run_script(script, "--help") for script in scripts_with_main()}
     for script, run in done.items():
         assert run.returncode == 0, f"{script.name}: {run.stderr[-2000:]}"
         assert "usage: python train.py" not in run.stdout, script.name
