@@ -20,14 +20,15 @@ def load_script(name: str):
     return module
 
 
-def run_script(script, *args, timeout: float = 300):
+def run_script(script, *args, timeout: float = 300, env: dict | None = None):
     """`python script args` (a path, or a name as load_script takes) with its exit status and
     outputs, in a fork of a process that has imported torch and titanlite already
-    (tests/support/ranks.py): a fresh interpreter spends ~4 s of CPU on the imports alone."""
+    (tests/support/ranks.py): a fresh interpreter spends ~4 s of CPU on the imports alone.
+    `env`: the whole environment, as subprocess takes it (default: this one's)."""
     from conftest import free_port
 
     path = Path(script) if Path(script).is_absolute() else SCRIPTS / f"{script}.py"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
     return run_ranks(path, args, 1, env, timeout, free_port)
 
 
