@@ -78,6 +78,9 @@ def test_calibrated_constants_are_used_by_the_next_plan(capsys, tmp_path, monkey
     (["--global_batch_tokens", "1000"], "is not a multiple of training.seq_len 2048"),
     (["--explain", "100000", "--check", "0"], "--explain 100000: rows are 1.."),
     (["--training.seq_lenn", "8"], "did you mean --training.seq_len"),
+    # The config's own layout on --gpus is resolved as train.py would (titanlite/job.py).
+    (["--predict", "--gpus", "3", "--parallelism.tensor_parallel_degree", "3"],
+     "must divide both n_heads (16)"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(capsys, argv, message):
     rc, _, err = plan(capsys, *DEBUG, *argv)
