@@ -192,7 +192,7 @@ class Trainer:
         self.parallel_dims = job.parallel_dims
         self.model_args, self.global_batch_size = job.model_args, job.global_batch_size
         # Logged with the first step's metrics, so that plan --calibrate can set it beside them.
-        self.prediction = prediction(cfg, self.world_size, self.model_args, self.device)
+        self.prediction = prediction(job, self.device)
         return job
 
     def _build_data(self, job):

@@ -144,3 +144,15 @@ def test_no_offload_no_offload_check():
     assert check_offload_device(cfg, pd, CUDA, "2.11.0") is None
     with pytest.raises(ConfigError, match="HSDP"):
         check_offload_device(offloaded, pd, CUDA, "2.11.0")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--checkpoint.initial_load_in_hf"], "needs --checkpoint.initial_load_path"),
+    (["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", "x",
+      "--no-checkpoint.initial_load_model_only"], "needs checkpoint.initial_load_model_only"),
+    (["--checkpoint.last_save_in_hf", "--checkpoint.enable"],
+     "add --checkpoint.last_save_model_only"),
+    (["--checkpoint.last_save_model_only"], "shapes the last checkpoint: add --checkpoint.enable"),
+])  # fmt: skip
+def test_a_checkpoint_option_without_the_one_it_needs_is_one_line(argv, expected):
+    assert expected in config_error(argv)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import REPO, TINY_TRAIN, torchrun_script
+from script_runner import measured_estimate
 
 from titanlite import memory_estimate
 from titanlite.build import model_args_for_vocab
@@ -360,12 +361,7 @@ def test_measure_sets_the_estimate_beside_the_live_tensors_peak():
     """`--measure` on this CPU, an eager fp32 run without AC: the estimate is within 5% of the
     peak bytes of live tensors (each block's saved set, measured to the byte above, plus its
     FFN backward's two gradients); the RSS peak is above both (glibc keeps freed memory)."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts/estimate_memory.py"), "--job.config_file",
-         "debug_model.toml", "--device", "cpu", "--measure", "2",
-         "--training.mixed_precision_param", "float32"],
-        capture_output=True, text=True, check=True, cwd=REPO,
-    ).stdout  # fmt: skip
+    out = measured_estimate("debug_model.toml")
     measured = {}
     for line in out.splitlines():
         if line.startswith("measured "):  # "measured WHAT: X GiB; estimate Y GiB (+E%)"
@@ -521,6 +517,7 @@ def test_muon_keeps_one_momentum_buffer_per_matrix_element():
 
 
 def test_the_config_and_the_planner_count_the_chosen_optimizer():
+    from titanlite.job import World, resolve_job
     from titanlite.plan.search import memory_gib
     from titanlite.plan.shape import layout_of, model_of
 
@@ -532,7 +529,7 @@ def test_the_config_and_the_planner_count_the_chosen_optimizer():
         in estimate(setup_from_config(cfg, 1, args)).rows
     )
     adamw = replace(model, optimizer="AdamW")
-    lo = layout_of(cfg, 1)
+    lo = layout_of(resolve_job(cfg, World(1), 2048))
     assert memory_gib(model, lo) < memory_gib(adamw, lo)
 
 

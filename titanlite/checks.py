@@ -227,26 +227,26 @@ def _check_wandb_installed(metrics: Metrics) -> None:
         )
 
 
+# (a checkpoint option, the option it needs, the one line that says so).
+_CHECKPOINT_NEEDS = (
+    ("initial_load_in_hf", "initial_load_path",
+     "--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path (the folder with "
+     "config.json and *.safetensors)"),
+    ("initial_load_in_hf", "initial_load_model_only",
+     "a Hugging Face folder holds only model weights: --checkpoint.initial_load_in_hf needs "
+     "checkpoint.initial_load_model_only = true"),
+    ("last_save_in_hf", "last_save_model_only",
+     "--checkpoint.last_save_in_hf writes only the model weights (the HF format has no optimizer "
+     "or data state): add --checkpoint.last_save_model_only"),
+    ("last_save_model_only", "enable",
+     "--checkpoint.last_save_model_only shapes the last checkpoint: add --checkpoint.enable"),
+)  # fmt: skip
+
+
 def _check_hf_options(ckpt: Checkpoint) -> None:
-    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
-        raise ConfigError(
-            "--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path (the folder "
-            "with config.json and *.safetensors)"
-        )
-    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
-        raise ConfigError(
-            "a Hugging Face folder holds only model weights: --checkpoint.initial_load_in_hf "
-            "needs checkpoint.initial_load_model_only = true"
-        )
-    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
-        raise ConfigError(
-            "--checkpoint.last_save_in_hf writes only the model weights (the HF format has no "
-            "optimizer or data state): add --checkpoint.last_save_model_only"
-        )
-    if ckpt.last_save_model_only and not ckpt.enable:
-        raise ConfigError(
-            "--checkpoint.last_save_model_only shapes the last checkpoint: add --checkpoint.enable"
-        )
+    for option, needed, message in _CHECKPOINT_NEEDS:
+        if getattr(ckpt, option) and not getattr(ckpt, needed):
+            raise ConfigError(message)
 
 
 def check_early_step_batch(

@@ -5,9 +5,9 @@
 resolve_job checks every option first (titanlite/checks.py, pure checks), lets the planner pick
 the layout under --parallelism.plan auto (a new config: the one it was given is left as it is),
 then builds what the job is made of: the tokenizer, the model args, the parallel dims, the
-global batch and its microbatches, the pipeline plan. The trainer and the dry run start from
-it; the seed checkpoint, generate.py and the estimator, which need only the model, from
-resolve_model.
+global batch and its microbatches, the pipeline plan. The trainer, the dry run and the planner
+(its CLI, calibration, plan auto's prediction) start from it; the seed checkpoint, generate.py,
+prepare_data.py and the estimator, which need only the model or tokenizer, from resolve_model.
 """
 
 import json
@@ -46,16 +46,17 @@ class JobModel(NamedTuple):
 class Job:
     config: JobConfig  # what runs: under parallelism.plan auto, the planner's copy
     parallel_dims: ParallelDims
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None where the job was resolved for a given vocab size
     model_args: object  # the model family's args
     global_batch_size: int
     num_microbatches: int  # per rank and step (gradient accumulation)
     pipeline: PipelinePlan | None  # None without pipeline parallelism
 
 
-def resolve_job(config: JobConfig, world: World) -> Job:
+def resolve_job(config: JobConfig, world: World, vocab_size: int | None = None) -> Job:
     """Every check that needs no data or weights, in the order a user meets them, and the job's
-    objects; a ConfigError names the first mistake and its fix, before anything is built."""
+    objects; a ConfigError names the first mistake and its fix, before anything is built. With
+    `vocab_size` no tokenizer is built (the planner pricing a cluster's job on a laptop)."""
     check_options(config)  # train.py ran them already, before its process group
     if config.parallelism.plan == "auto" and world.device is not None:
         # Here, not above: the planner resolves its models and batches with this module.
@@ -65,7 +66,7 @@ def resolve_job(config: JobConfig, world: World) -> Job:
         check_options(config)  # the planned layout against the options the user set
     parallelism, training = config.parallelism, config.training
     parallel_dims = ParallelDims.from_config(parallelism, world.size)
-    model = resolve_model(config)
+    model = resolve_model(config, vocab_size)
     parallel_dims.validate_model(model.args)
     global_batch_size, num_microbatches = resolve_global_batch(training, parallel_dims.dp_degree)
     check_job(config, parallel_dims, model.args, global_batch_size, num_microbatches)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from titanlite.distributed import destroy, init_fake_distributed, local_value
 from titanlite.host import keep_freed_memory
+from titanlite.job import World, resolve_job
 from titanlite.memory_estimate import GIB, estimate
 from titanlite.metrics import compute_throughput, default_expandable_segments
 from titanlite.plan import calibrate
@@ -211,8 +212,8 @@ def planner_prediction(cfg, trainer, world: int, device: torch.device) -> dict |
     kind = gpu_kind(cfg, device)
     if kind is None:
         return None
-    model = model_of(cfg, trainer.model_args.vocab_size)
-    layout = layout_of(cfg, world)
+    vocab = trainer.model_args.vocab_size
+    model, layout = model_of(cfg, vocab), layout_of(resolve_job(cfg, World(world), vocab))
     p = predict(model.shape, layout, get_device(kind), min(world, 8), calibrate.load(kind))
     return {"device": kind, "step_s": round(p.step_s, 4), "mfu_pct": round(100 * p.mfu, 2),
             "tokens_per_s_per_gpu": round(p.tokens_per_s_per_gpu, 1)}  # fmt: skip

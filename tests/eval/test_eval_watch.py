@@ -7,6 +7,7 @@ import time
 
 import pytest
 from conftest import REPO, TINY_TRAIN, read_jsonl
+from script_runner import run_script
 
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow  # runs train.py beside the watcher
@@ -45,10 +46,7 @@ def test_the_watcher_scores_two_checkpoints_of_a_running_job(tmp_path, task_fold
 
 
 def test_a_folder_without_a_run_is_one_line(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), "--tasks", "tl_mc"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_script(SCRIPT, str(tmp_path), "--tasks", "tl_mc")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"eval_watch: error: {tmp_path / 'config.toml'} does not exist: pass the run's "

@@ -76,6 +76,14 @@ def assert_block_norms_match(name, got_dump, ref_dump, rtol=1e-4, first_rtol=1e-
     assert worst[0] <= first_rtol and max(worst) <= rtol, (name, worst)
 
 
+def assert_parity(name, got_dump, ref_dump, rtol):
+    """A layout's run against one process's: every step's loss and grad norm, and every block's
+    grad norm (sharded, TP-replicated, CP-reduced and other stages' gradients each counted once),
+    within rtol."""
+    assert_matches(f"{name} vs 1 process", curves(got_dump), curves(ref_dump), rtol=rtol)
+    assert_block_norms_match(name, got_dump, ref_dump, rtol=rtol)
+
+
 def launch(out: Path, jobs: dict) -> dict:
     """Run every job (name -> (ranks, train.py args)) into out/name: the one-process runs one
     after another in one process, then those of each world size in one torchrun launch (process

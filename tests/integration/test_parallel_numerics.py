@@ -11,8 +11,8 @@ from integration.parity import (
     BASE,
     PP,
     SCHEDULE,
-    assert_block_norms_match,
     assert_matches,
+    assert_parity,
     curves,
     launch,
     masked_runs,
@@ -98,17 +98,8 @@ def reference(runs):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_process(layout, runs, reference):
-    rtol = LAYOUTS[layout][2]
-    assert_matches(f"{layout} vs 1 process", curves(runs[layout]), reference, rtol=rtol)
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_block_grad_norms_match_one_process(layout, runs):
-    """metrics.log_layer_grad_norms: sharded, TP-replicated and CP-reduced gradients each
-    counted once."""
-    rtol = LAYOUTS[layout][2]
-    assert_block_norms_match(layout, runs[layout], runs["reference"], rtol=rtol)
+def test_layout_matches_one_process(layout, runs):
+    assert_parity(layout, runs[layout], runs["reference"], rtol=LAYOUTS[layout][2])
 
 
 def test_document_masking_fsdp_x_tp_matches_one_process(runs):

@@ -11,8 +11,8 @@ from integration.parity import (
     PP,
     PP_WHOLE_BATCH,
     SCHEDULE,
-    assert_block_norms_match,
     assert_matches,
+    assert_parity,
     curves,
     launch,
     masked_runs,
@@ -100,16 +100,9 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(layout, runs):
-    rtol = LAYOUTS[layout][2]
-    got, ref = curves(runs[layout]), curves(runs["reference"])
-    assert_matches(f"{layout} vs 1 process", got, ref, rtol=rtol)
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_block_grad_norms_match_one_process(layout, runs):
-    """metrics.log_layer_grad_norms: each stage measures its own blocks, and the logging rank
-    (first stage) lists every block."""
-    assert_block_norms_match(layout, runs[layout], runs["reference"], rtol=LAYOUTS[layout][2])
+    """Also metrics.log_layer_grad_norms: each stage measures its own blocks, and the logging
+    rank (first stage) lists every block."""
+    assert_parity(layout, runs[layout], runs["reference"], rtol=LAYOUTS[layout][2])
 
 
 @pytest.mark.parametrize("layout", list(MASKED))

@@ -96,10 +96,15 @@ def test_adam_is_torch_adam_with_coupled_decay():
 def test_state_dict_round_trip_resumes_bitwise():
     """torch's state_dict of the grouped optimizer, loaded into a fresh one: the next steps are
     the uninterrupted run's, bit for bit (the DCP path: tests/optim/test_muon_checkpoint.py)."""
+    assert_resume_is_bitwise(Optimizer(name="Muon", lr=1e-2))
+
+
+def assert_resume_is_bitwise(cfg: Optimizer) -> torch.optim.Optimizer:
+    """Twice _steps uninterrupted, and once then again with a fresh optimizer of `cfg` given the
+    first one's state_dict, end on the same weights, bit for bit. Returns the resumed optimizer."""
     torch.manual_seed(0)
     whole, half = Tiny(), Tiny()
     half.load_state_dict(whole.state_dict())
-    cfg = Optimizer(name="Muon", lr=1e-2)
     opt = build_optimizer(whole, cfg)
     _steps(opt, whole)
     _steps(opt, whole)
@@ -110,6 +115,7 @@ def test_state_dict_round_trip_resumes_bitwise():
     _steps(resumed, half)
     for a, b in zip(whole.parameters(), half.parameters(), strict=True):
         assert torch.equal(a, b)
+    return resumed
 
 
 def test_state_bytes_before_the_first_step_are_those_after_it():

@@ -12,6 +12,7 @@ from conftest import Terminal
 import titanlite.plan.__main__ as plan_main
 import train
 from titanlite.config_parse import parse_args
+from titanlite.job import World, resolve_job
 from titanlite.plan.__main__ import checked, main
 from titanlite.plan.search import Plan
 from titanlite.plan.shape import layout_of
@@ -33,7 +34,8 @@ def test_write_gives_a_config_that_the_dry_run_builds_at_its_world_size(capsys, 
     assert rc == 0, out
     assert "checked by the dry run at world 8: the best 1" in out and f"wrote {best}" in out
     first = out.splitlines()[4]  # the header's 3 lines, the column names, then row 1
-    layout = layout_of(parse_args(["--job.config_file", str(best)]), 8)
+    job = resolve_job(parse_args(["--job.config_file", str(best)]), World(8))
+    layout = layout_of(job)
     assert first.split()[1] == layout.describe().split()[0]
     dry_run = ["--comm.mode", "fake_backend", "--comm.fake_world_size", "8"]
     argv = ["--job.config_file", str(best), *dry_run, "--job.dump_folder", str(tmp_path)]
@@ -76,6 +78,9 @@ def test_calibrated_constants_are_used_by_the_next_plan(capsys, tmp_path, monkey
     (["--global_batch_tokens", "1000"], "is not a multiple of training.seq_len 2048"),
     (["--explain", "100000", "--check", "0"], "--explain 100000: rows are 1.."),
     (["--training.seq_lenn", "8"], "did you mean --training.seq_len"),
+    # The config's own layout on --gpus is resolved as train.py would (titanlite/job.py).
+    (["--predict", "--gpus", "3", "--parallelism.tensor_parallel_degree", "3"],
+     "must divide both n_heads (16)"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(capsys, argv, message):
     rc, _, err = plan(capsys, *DEBUG, *argv)

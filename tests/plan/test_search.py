@@ -8,6 +8,7 @@ from conftest import Terminal
 
 import titanlite.plan.search
 from titanlite.config_parse import parse_args
+from titanlite.job import World, resolve_job
 from titanlite.plan.devices import get_device
 from titanlite.plan.perf import Constants, Layout
 from titanlite.plan.search import Choices, Cluster, flags, memory_gib, search, smallest_cluster
@@ -88,7 +89,7 @@ def test_405b_fits_no_node_and_the_smallest_cluster_is_named():
 ])  # fmt: skip
 def test_flags_are_the_layout_as_train_py_reads_it(lo):
     cfg = parse_args(["--job.config_file", "train_configs/llama_8b.toml", *flags(lo)])
-    assert layout_of(cfg, lo.world) == lo
+    assert layout_of(resolve_job(cfg, World(lo.world), LLAMA3_VOCAB)) == lo
 
 
 def test_memory_of_the_fullest_pipeline_rank():

@@ -1,6 +1,5 @@
 """scripts/convert_checkpoint.py: titanlite <-> Hugging Face Llama give the same logits."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO
 from safetensors import safe_open
 from safetensors.torch import save_file
+from script_runner import load_script
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titanlite.checkpoint import CheckpointManager, plan_load
@@ -26,9 +26,7 @@ HF = get_family("llama3").hf
 transformers = pytest.importorskip("transformers")
 
 SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
-_spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
-conv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(conv)
+conv = load_script("convert_checkpoint")
 
 
 def build(args, seed):

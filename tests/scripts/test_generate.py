@@ -3,13 +3,13 @@ is seeded and stays within top-k and the real vocabulary, and user mistakes stop
 weight is read."""
 
 import dataclasses
-import importlib.util
 import json
 import shutil
 
 import pytest
 import torch
 from conftest import REPO, TINY_TRAIN, load_dcp_model, torchrun_script
+from script_runner import load_script
 
 import train
 from titanlite.build import model_args_for
@@ -19,9 +19,7 @@ from titanlite.models.decoder.model import Transformer
 from titanlite.models.llama.args import get_model_args
 
 SCRIPT = REPO / "scripts" / "generate.py"
-_spec = importlib.util.spec_from_file_location("generate", SCRIPT)
-gen = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gen)
+gen = load_script("generate")
 
 PROMPT = "def main("
 NEW = 8

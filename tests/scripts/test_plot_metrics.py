@@ -1,19 +1,15 @@
 """scripts/plot_metrics.py: the panels drawn from synthetic metrics.jsonl files, and bad input."""
 
-import importlib.util
 import json
 import sys
 
 import pytest
-from conftest import REPO
+from script_runner import load_script
 
 pytest.importorskip("matplotlib")
 from matplotlib.image import imread  # noqa: E402
 
-SCRIPT = REPO / "scripts" / "plot_metrics.py"
-_spec = importlib.util.spec_from_file_location("plot_metrics", SCRIPT)
-plot = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot)
+plot = load_script("plot_metrics")
 
 ALL_PANELS = [
     "loss",

@@ -2,20 +2,10 @@
 --help (its docstring), not train.py's."""
 
 import ast
-import importlib.util
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import REPO
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from script_runner import load_script, run_script
 
 
 @pytest.mark.parametrize(
@@ -25,7 +15,7 @@ def load(name: str):
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_is_the_scripts_own(script, own_options, flag, capsys):
     with pytest.raises(SystemExit) as e:
-        load(script).main([flag])
+        load_script(script).main([flag])
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert all(option in out for option in own_options), out
@@ -39,18 +29,10 @@ def scripts_with_main() -> list:
     )
 
 
-def run_help(script):
-    return subprocess.run(
-        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300
-    )
-
-
-@pytest.mark.slow  # a process per script, each importing torch: four at a time
+@pytest.mark.slow  # a process per script (forked warm: script_runner.run_script)
 def test_every_script_answers_help_with_its_own_usage():
     """--help exits 0 having printed the script's own usage, and runs nothing else."""
-    scripts = scripts_with_main()
-    with ThreadPoolExecutor(4) as pool:
-        done = dict(zip(scripts, pool.map(run_help, scripts)))
+    done = {script: run_script(script, "--help") for script in scripts_with_main()}
     for script, run in done.items():
         assert run.returncode == 0, f"{script.name}: {run.stderr[-2000:]}"
         assert "usage: python train.py" not in run.stdout, script.name

@@ -21,8 +21,7 @@ from titanlite.checks import check_options
 from titanlite.config import ConfigError
 from titanlite.config_parse import dump_toml, parse_args
 from titanlite.float8 import float8_enabled
-from titanlite.job import resolve_global_batch
-from titanlite.parallel_dims import ParallelDims
+from titanlite.job import World, resolve_job
 from titanlite.plan import calibrate
 from titanlite.plan.check import dry_run
 from titanlite.plan.devices import DEVICES, OVERRIDES, get_device
@@ -102,23 +101,25 @@ def run(args, rest: list[str]) -> int:
         print_runs(read_runs(args.compare, args), device, constants)
         return 0
     cfg = parse_args(rest)
-    check_options(cfg)
+    check_options(cfg)  # before the tokenizer is built, for the vocab
     vocab, missing = (args.vocab_size, "") if args.vocab_size else vocab_size_of(cfg)
+    # The config as train.py resolves it on --gpus ranks: its checks, model and global batch.
+    job = resolve_job(cfg, World(args.gpus), vocab)
     model = model_of(cfg, vocab)
     if args.predict:
-        lo = layout_of(cfg, args.gpus)
+        lo = layout_of(job)
         found = Candidate(lo, predict(model.shape, lo, device, cluster.gpus_per_node, constants),
                           memory_gib(model, lo))  # fmt: skip
         print(header(cfg, model, cluster, lo.global_batch, constants))
         print(table([found]) if not args.json else json.dumps([row_json(found)], indent=1))
         print(explain(found))
         return 0
-    return run_plan(args, rest, cfg, model, cluster, constants, missing)
+    return run_plan(args, rest, job, model, cluster, constants, missing)
 
 
-def run_plan(args, rest, cfg, model, cluster, constants, missing: str) -> int:
+def run_plan(args, rest, job, model, cluster, constants, missing: str) -> int:
     """The search, the dry-run check of the best rows, the table, --explain and --write."""
-    batch = global_batch(cfg, args)
+    cfg, batch = job.config, global_batch(job, args)
     choices = Choices(float8=float8_choices(cfg, args), compile=cfg.compile.enable)
     plan = search(model, cluster, batch, constants, choices, progress=True)
     if not plan.fits:
@@ -144,7 +145,7 @@ def run_plan(args, rest, cfg, model, cluster, constants, missing: str) -> int:
         print(explain(plan.fits[args.explain - 1]))
     if args.write:
         best = parse_args([*rest, *flags(plan.fits[0].layout)])
-        check_options(best)
+        resolve_job(best, World(args.gpus), job.model_args.vocab_size)  # what train.py checks
         dump_toml(best, args.write)
         print(f"wrote {args.write}: train.py --job.config_file {args.write} on {args.gpus} GPUs")
     return 0
@@ -182,16 +183,15 @@ def checked(plan, config_argv: list[str], k: int) -> tuple[list, str]:
     return dropped, f"checked by the dry run at world {world}: the best {passed}"
 
 
-def global_batch(cfg, args) -> int:
-    """Sequences per step: --global_batch_tokens, else what the config runs on --gpus ranks."""
-    seq = cfg.training.seq_len
+def global_batch(job, args) -> int:
+    """Sequences per step: --global_batch_tokens, else what the job runs on --gpus ranks."""
+    seq = job.config.training.seq_len
     if args.global_batch_tokens:
         if args.global_batch_tokens % seq:
             raise ConfigError(f"--global_batch_tokens {args.global_batch_tokens} is not a "
                               f"multiple of training.seq_len {seq}")  # fmt: skip
         return args.global_batch_tokens // seq
-    pd = ParallelDims.from_config(cfg.parallelism, args.gpus)
-    return resolve_global_batch(cfg.training, pd.dp_degree)[0]
+    return job.global_batch_size
 
 
 def row_json(c: Candidate) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from titanlite.config import ConfigError
 from titanlite.config_parse import parse_args
+from titanlite.job import World, resolve_job
 from titanlite.plan.devices import Device
 from titanlite.plan.perf import Constants, Layout, predict
 from titanlite.plan.shape import Model, layout_of, model_of
@@ -61,8 +62,8 @@ def read_run(folder: str | Path, vocab_size: int | None = None) -> Run:
         max((r[k] for r in steps if r.get(k) is not None), default=None)
         for k in ("memory_gib", "memory_active_gib")
     )
-    return Run(str(folder), model_of(cfg, vocab), layout_of(cfg, world), tps, mem,
-               active_gib=active)  # fmt: skip
+    layout = layout_of(resolve_job(cfg, World(world), vocab))
+    return Run(str(folder), model_of(cfg, vocab), layout, tps, mem, active_gib=active)
 
 
 def predicted_tps(run: Run, device: Device, c: Constants) -> float:

@@ -9,6 +9,7 @@ from titanlite.config import ConfigError, JobConfig
 from titanlite.config_parse import with_options
 from titanlite.float8 import float8_enabled
 from titanlite.host import memory_per_local_rank
+from titanlite.job import Job
 from titanlite.memory_estimate import GIB, MemoryEstimate, estimate
 from titanlite.plan import calibrate
 from titanlite.plan.devices import DEVICES, device_named, get_device
@@ -57,9 +58,11 @@ def plan_layout(config: JobConfig, world_size: int, device: torch.device) -> Job
     return with_options(config, flags(best.layout))
 
 
-def prediction(config: JobConfig, world_size: int, model_args, device: torch.device) -> dict:
+def prediction(job: Job, device: torch.device) -> dict:
     """What the planner predicts for this run, as metrics of its first logged step: peak memory
     (the estimator, on this device type) and, on a GPU of the device table, the step time."""
+    config, model_args = job.config, job.model_args
+    world_size = job.parallel_dims.world_size
     setup = setup_from_config(config, world_size, model_args, device.type)
     peak = estimate(setup)
     memory = peak.total / GIB
@@ -69,7 +72,7 @@ def prediction(config: JobConfig, world_size: int, model_args, device: torch.dev
     if kind is not None:  # an unknown plan_device is one ConfigError here
         model = model_of(config, model_args.vocab_size)
         gpus_per_node = min(world_size, torch.cuda.device_count() or world_size)
-        lo = layout_of(config, world_size)
+        lo = layout_of(job)
         p = predict(model.shape, lo, get_device(kind), gpus_per_node, calibrate.load(kind))
         out["predicted_step_s"] = p.step_s
         step = f", step {p.step_s:.3f} s on {kind}"

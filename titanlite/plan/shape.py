@@ -9,7 +9,7 @@ import torch
 from titanlite.build import count_params
 from titanlite.config import ConfigError, JobConfig
 from titanlite.float8 import float8_enabled
-from titanlite.job import resolve_global_batch, resolve_model
+from titanlite.job import Job, resolve_global_batch, resolve_model
 from titanlite.memory_estimate import MemorySetup, param_counts
 from titanlite.models import get_family
 from titanlite.parallel_dims import ParallelDims
@@ -53,11 +53,9 @@ def model_of(config: JobConfig, vocab_size: int, seq_len: int | None = None) -> 
     return Model(config.model.name, args, counts, shape, config.optimizer.name)
 
 
-def layout_of(config: JobConfig, world_size: int) -> Layout:
-    """The layout a config runs on `world_size` ranks (degrees resolved as training does)."""
-    pd = ParallelDims.from_config(config.parallelism, world_size)
-    _, accumulation = resolve_global_batch(config.training, pd.dp_degree)
-    return _layout(config, pd, accumulation)
+def layout_of(job: Job) -> Layout:
+    """The layout a resolved job runs (titanlite/job.py resolve_job: degrees and microbatches)."""
+    return _layout(job.config, job.parallel_dims, job.num_microbatches)
 
 
 def _layout(config: JobConfig, pd: ParallelDims, accumulation: int = 1) -> Layout:

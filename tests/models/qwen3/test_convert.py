@@ -2,11 +2,10 @@
 transformers' Qwen3ForCausalLM loads with the run's logits, and hf-to-dcp (the family chosen by
 config.json's model_type) gives back the run's weights bitwise."""
 
-import importlib.util
-
 import pytest
 import torch
-from conftest import REPO, TINY_TRAIN, load_dcp_model
+from conftest import TINY_TRAIN, load_dcp_model
+from script_runner import load_script
 
 import train
 from titanlite.build import model_args_for
@@ -15,10 +14,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import get_family
 
 transformers = pytest.importorskip("transformers")
-SCRIPT = REPO / "scripts" / "convert_checkpoint.py"
-_spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
-conv = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(conv)
+conv = load_script("convert_checkpoint")
 
 QWEN3 = get_family("qwen3")
 RUN = [*TINY_TRAIN, "--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]

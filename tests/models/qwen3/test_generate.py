@@ -1,12 +1,12 @@
 """scripts/generate.py on a Qwen3 run (the tied flavor): greedy decoding gives the tokens that
 transformers' Qwen3ForCausalLM generates greedily from the same weights."""
 
-import importlib.util
 import json
 
 import pytest
 import torch
-from conftest import REPO, TINY_TRAIN, load_dcp_model
+from conftest import TINY_TRAIN, load_dcp_model
+from script_runner import load_script
 
 import train
 from titanlite.build import model_args_for
@@ -15,10 +15,7 @@ from titanlite.data.tokenizer import build_tokenizer
 from titanlite.models import get_family
 
 transformers = pytest.importorskip("transformers")
-SCRIPT = REPO / "scripts" / "generate.py"
-_spec = importlib.util.spec_from_file_location("generate", SCRIPT)
-gen = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gen)
+gen = load_script("generate")
 
 QWEN3 = get_family("qwen3")
 RUN = [*TINY_TRAIN, "--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]

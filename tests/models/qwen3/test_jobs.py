@@ -3,12 +3,10 @@ head_dim, the pipeline schedules its tied flavors refuse, the memory estimate be
 CPU peak, and the fake-backend dry run of 32B at 128 ranks."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO
+from script_runner import measured_estimate
 
 import train
 from titanlite.build import model_args_for
@@ -63,12 +61,7 @@ def test_the_tied_output_stays_the_embedding_through_to_empty():
 @pytest.mark.slow  # trains 2 steps of the debug model under torch's MemTracker
 def test_the_estimate_is_within_5_percent_of_the_live_tensors_peak():
     """As for Llama (tests/test_memory_estimate.py): an eager fp32 run without AC."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts/estimate_memory.py"), "--job.config_file",
-         "qwen3_debug.toml", "--device", "cpu", "--measure", "2",
-         "--training.mixed_precision_param", "float32"],
-        capture_output=True, text=True, check=True, cwd=REPO,
-    ).stdout  # fmt: skip
+    out = measured_estimate("qwen3_debug.toml")
     line = next(x for x in out.splitlines() if x.startswith("measured peak of live tensors"))
     live = float(line.split(": ")[1].split()[0])
     estimated = float(line.split("estimate ")[1].split()[0])
