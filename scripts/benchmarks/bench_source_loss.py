@@ -27,8 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from titanlite.data.mixture import MixtureOrder, Part  # noqa: E402
 from titanlite.loss import by_source  # noqa: E402
-from titanlite.models.llama.args import get_model_args  # noqa: E402
-from titanlite.models.llama.model import Transformer  # noqa: E402
+from titanlite.models import get_family  # noqa: E402
 from titanlite.source_loss import StepSources, source_losses  # noqa: E402
 from train import forward_backward  # noqa: E402
 
@@ -51,7 +50,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.manual_seed(0)
     device = torch.device(a.device)
-    model = Transformer(get_model_args("debugmodel", vocab_size=2048, max_seq_len=a.seq_len))
+    llama = get_family("llama3")
+    model = llama.model_cls(llama.model_args("debugmodel", vocab_size=2048, max_seq_len=a.seq_len))
     model.to(device).init_weights(seed=0)
     host = torch.randint(0, 2048, (a.batch, a.seq_len))
     labels = torch.roll(host, -1, 1)

@@ -361,6 +361,11 @@ def run_one(args, config: str, fw: str, rep: int, corpus: Path, out: Path, envs:
               "wall_s": time.perf_counter() - t0, "log": f"logs/{tag}.log"}  # fmt: skip
     record |= measure(fw, stamped, args.steps, LOCAL_BATCH * SEQ_LEN * procs)
     record.pop("steps", None)
+    return with_error(record, rc, stamped)
+
+
+def with_error(record: dict, rc: int, stamped: list) -> dict:
+    """A run's record with its error, if any, naming the exit code and the log's last line."""
     if rc != 0 and "error" not in record:
         record["error"] = f"exit code {rc}"
     if "error" in record:

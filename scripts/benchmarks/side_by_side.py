@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_torchtitan import ANSI, PARAMS, git_commit, run_stamped  # noqa: E402
+from bench_torchtitan import ANSI, PARAMS, git_commit, run_stamped, with_error  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "scripts" / "benchmarks"
@@ -371,12 +371,7 @@ def run_one(args, shape_name: str, fw: str, rep: int, setup: dict, out: Path, ti
               "wall_s": round(time.perf_counter() - t0, 1), "log": f"logs/{tag}.log",
               "command": cmd}  # fmt: skip
     record |= measure(fw, stamped, args.steps, shape.seq_len)
-    if rc != 0 and "error" not in record:
-        record["error"] = f"exit code {rc}"
-    if "error" in record:
-        tail = stamped[-1][1] if stamped else "no output"
-        record["error"] += f"; exit code {rc}; last line: {tail}"
-    return record
+    return with_error(record, rc, stamped)
 
 
 def prepare(args, out: Path, env: dict) -> dict:

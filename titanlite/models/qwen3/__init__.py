@@ -2,16 +2,8 @@
 (titanlite/models/decoder/) with QK-norm, Qwen3's args and flavors (some tie the output to the
 embedding), its HF layout and the estimator's extra saved activations of QK-norm."""
 
-from titanlite.metrics import num_flops_per_token
-from titanlite.models import ModelFamily, register
-from titanlite.models.decoder import pipeline_decoder
-from titanlite.models.decoder.model import Transformer
-from titanlite.models.decoder.parallelize import (
-    TP_SPLIT,
-    apply_tp,
-    init_weights_parallel,
-    parallelize_decoder,
-)
+from titanlite.models import register
+from titanlite.models.decoder import decoder_family
 from titanlite.models.qwen3.args import QWEN3_FLAVORS, get_model_args
 from titanlite.models.qwen3.hf import QWEN3_HF
 
@@ -25,18 +17,11 @@ def qk_norm_saved_per_token(args) -> float:
 
 
 QWEN3 = register(
-    ModelFamily(
-        name="qwen3",
-        flavors=QWEN3_FLAVORS,
-        model_args=get_model_args,
-        model_cls=Transformer,
-        parallelize=parallelize_decoder,
-        init_weights=init_weights_parallel,
-        pipeline=pipeline_decoder,
-        tensor_parallel=apply_tp,
-        flops_per_token=num_flops_per_token,
-        hf=QWEN3_HF,
-        tp_split=TP_SPLIT,
+    decoder_family(
+        "qwen3",
+        QWEN3_FLAVORS,
+        get_model_args,
+        QWEN3_HF,
         extra_saved_per_token=qk_norm_saved_per_token,
     )
 )
