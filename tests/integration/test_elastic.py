@@ -23,7 +23,7 @@ from titanlite.data.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.slow  # launches processes
 
-STEPS = 10
+STEPS = 30  # the 2-rank group must still have steps to train when the node joins again
 ARGS = [*TINY_TRAIN, "--training.steps", str(STEPS), "--debug.log_sample_ids"]
 # Seconds, not torch's defaults (30 s last call, 15 s to declare a node dead): the surviving node
 # re-forms the job as soon as the dead one's heartbeats lapse. A heartbeat is refreshed every 1-2
@@ -146,7 +146,7 @@ def test_a_node_leaves_and_joins_again_through_the_elastic_range(tmp_path):
     samples = {step: r["samples"] for step, r in _last_by_step(logged).items()}
     assert samples == ref  # every step trained on the uninterrupted run's samples
     trained = [s for step in range(1, STEPS + 1) for s in samples[step]]
-    assert len(trained) == len(set(trained)) == STEPS * 8  # the epoch's first 80, each once
+    assert len(trained) == len(set(trained)) == STEPS * 8  # the epoch's first STEPS x 8, each once
     assert all(r["samples"] == ref[r["step"]] for r in logged)  # redone steps: the same data
     assert len(logged) > STEPS  # some steps were redone
 
