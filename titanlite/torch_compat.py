@@ -279,13 +279,20 @@ def pipeline_stage_base():
     """PipelineStage whose connection warm-up (the private _get_init_p2p_neighbors_ops, which
     the schedule calls before its first step) skips the stage's own rank: 2.11 warms up to the
     previous and next stage's rank, the same rank on a V schedule's turn, and gloo cannot send
-    to itself (2.13 warms up without it). The stage has no public hook for its warm-up."""
+    to itself (2.13 warms up without it). The stage has no public hook for its warm-up.
+    On the last stage, 2.11's private _validate_fwd_outputs (each forward's outputs against the
+    first forward's shapes; 2.13 has no such check) is skipped: that output is the loss, a
+    scalar or, with a mixture's per-source sums, [1 + n], and it is sent to no stage."""
     from torch.distributed.pipelining import PipelineStage
 
     class SkipSelfWarmupStage(PipelineStage):
         def _get_init_p2p_neighbors_ops(self):
             ops = super()._get_init_p2p_neighbors_ops()
             return [op for op in ops if op.group_peer != self.group_rank]
+
+        def _validate_fwd_outputs(self, outputs):
+            if not self.is_last:
+                super()._validate_fwd_outputs(outputs)
 
     return SkipSelfWarmupStage
 
